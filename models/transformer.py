@@ -1,0 +1,182 @@
+"""One decoder-only transformer as pure functions over a params pytree; family differences are config switches.
+
+Shape letters: B batch, S block (query) length, N cache slots, C = N + S candidates, H hidden, Nq query heads,
+K kv heads, G = Nq // K query heads per kv head, D head dim, F MLP width, V vocab, L layers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from vdjax.models.config import ModelConfig
+from vdjax.models.params import Params
+
+MASK_VALUE = -1e30  # finite, so a fully masked (padding) query row gives no NaN
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """RMSNorm computed in fp32, scaled by (offset + w), returned in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if offset:
+        return (x32 * (offset + w.astype(jnp.float32))).astype(x.dtype)
+    return w * x32.astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig, theta: float | None = None) -> np.ndarray:
+    """Inverse RoPE frequencies [D/2] in fp32, with llama3 scaling applied when the config asks for it."""
+    theta = cfg.rope_theta if theta is None else theta
+    dim = cfg.head_dim
+    inv = (1.0 / (np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))).astype(
+        np.float32
+    )
+    scaling = cfg.rope_scaling_dict
+    if scaling.get("rope_type") == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv = np.where(medium, smoothed, scaled).astype(np.float32)
+    return inv
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotate x [B, S, heads, D] at absolute positions [B, S] (HF rotate_half convention)."""
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, S, D/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [B, S, 1, D]
+    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def embed(params: Params, ids: jax.Array) -> jax.Array:
+    """Token embeddings [B, S, H] (scaled by sqrt(H) where the family does)."""
+    x = params.weights["embed"][ids]
+    if params.config.embed_scale:
+        x = x * jnp.asarray(math.sqrt(params.config.hidden_size), dtype=x.dtype)
+    return x
+
+
+def project_qkv(lw: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig, inv_freq: jax.Array):
+    """Project normed hidden states [B, S, H] to q [B, S, Nq, D], k and v [B, S, K, D]; RoPE applied to q, k."""
+    q = jnp.einsum("bsh,hnd->bsnd", x, lw["wq"])
+    k = jnp.einsum("bsh,hkd->bskd", x, lw["wk"])
+    v = jnp.einsum("bsh,hkd->bskd", x, lw["wv"])
+    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+
+def attend(
+    q: jax.Array,  # [B, S, Nq, D] after RoPE
+    q_pos: jax.Array,  # [B, S] absolute positions, -1 = padding
+    k_cache: jax.Array,  # [B, K, N, D]
+    v_cache: jax.Array,  # [B, K, N, D]
+    pos_cache: jax.Array,  # [B, K, N], -1 = empty slot
+    k_new: jax.Array,  # [B, K, S, D]
+    v_new: jax.Array,  # [B, K, S, D]
+    cfg: ModelConfig,
+    window: jax.Array | int | None = None,  # sliding window W (tokens with q_pos - kv_pos >= W are masked)
+):
+    """Attention of the block's queries over cache slots + the block itself; returns (out [B,S,Nq,D], probs).
+
+    probs [B, K, G, S, N + S] fp32 are the softmax weights over the candidates (cache slots first, then the
+    block's tokens), the input every attention-based eviction score reads.
+    """
+    b, s, nq, d = q.shape
+    kh, n = k_cache.shape[1], k_cache.shape[2]
+    qg = q.reshape(b, s, kh, nq // kh, d)  # [B, S, K, G, D]
+    logits = jnp.concatenate(
+        [
+            jnp.einsum("bskgd,bknd->bkgsn", qg, k_cache, preferred_element_type=jnp.float32),
+            jnp.einsum("bskgd,bktd->bkgst", qg, k_new, preferred_element_type=jnp.float32),
+        ],
+        axis=-1,
+    ) * cfg.attn_scale  # [B, K, G, S, C]
+    if cfg.attn_softcap:
+        logits = jnp.tanh(logits / cfg.attn_softcap) * cfg.attn_softcap
+    new_pos = jnp.broadcast_to(q_pos[:, None, :], (b, kh, s))  # [B, K, S]
+    kv_pos = jnp.concatenate([pos_cache, new_pos], axis=-1)  # [B, K, C]
+    qp = q_pos[:, None, :, None]  # [B, 1, S, 1]
+    kp = kv_pos[:, :, None, :]  # [B, K, 1, C]
+    mask = (kp >= 0) & (kp <= qp)  # [B, K, S, C]
+    if window is not None:
+        mask &= (qp - kp) < window
+    logits = jnp.where(mask[:, :, None], logits, MASK_VALUE)
+    probs = jax.nn.softmax(logits, axis=-1)  # [B, K, G, S, C]
+    pv = probs.astype(v_cache.dtype)
+    out = jnp.einsum("bkgsn,bknd->bskgd", pv[..., :n], v_cache) + jnp.einsum(
+        "bkgst,bktd->bskgd", pv[..., n:], v_new
+    )
+    return out.reshape(b, s, nq, d), probs
+
+
+def mlp(lw: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Gated MLP [B, S, H] -> [B, S, H] (SwiGLU, or GELU-tanh for Gemma)."""
+    gate = jnp.einsum("bsh,hf->bsf", x, lw["w_gate"])
+    up = jnp.einsum("bsh,hf->bsf", x, lw["w_up"])
+    act = jax.nn.silu(gate) if cfg.mlp_act == "silu" else jax.nn.gelu(gate, approximate=True)
+    return jnp.einsum("bsf,fh->bsh", act * up, lw["w_down"])
+
+
+def layer_forward(
+    lw: dict,  # one layer's weights (no leading L axis)
+    x: jax.Array,  # [B, S, H]
+    q_pos: jax.Array,  # [B, S]
+    k_cache: jax.Array,  # [B, K, N, D]
+    v_cache: jax.Array,  # [B, K, N, D]
+    pos_cache: jax.Array,  # [B, K, N]
+    cfg: ModelConfig,
+    inv_freq: jax.Array,  # [D/2]
+    window: jax.Array | int | None = None,
+):
+    """One decoder layer over a block; returns (x_out [B,S,H], k_new [B,K,S,D], v_new [B,K,S,D], probs)."""
+    eps, off = cfg.rms_norm_eps, cfg.norm_offset
+    h = rms_norm(x, lw["attn_norm"], eps, off)
+    q, k, v = project_qkv(lw, h, q_pos, cfg, inv_freq)
+    k_new, v_new = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, S, D]
+    o, probs = attend(q, q_pos, k_cache, v_cache, pos_cache, k_new, v_new, cfg, window)
+    x = x + jnp.einsum("bsnd,ndh->bsh", o, lw["wo"])
+    x = x + mlp(lw, rms_norm(x, lw["mlp_norm"], eps, off), cfg)
+    return x, k_new, v_new, probs
+
+
+def final_logits(params: Params, x: jax.Array) -> jax.Array:
+    """Final norm + LM head: hidden [..., H] -> fp32 logits [..., V]."""
+    cfg, w = params.config, params.weights
+    x = rms_norm(x, w["final_norm"], cfg.rms_norm_eps, cfg.norm_offset)
+    head = w["embed"] if cfg.tie_embeddings else w["lm_head"]  # [V, H]
+    logits = jnp.einsum("...h,vh->...v", x, head, preferred_element_type=jnp.float32)
+    if cfg.final_softcap:
+        logits = jnp.tanh(logits / cfg.final_softcap) * cfg.final_softcap
+    return logits
+
+
+def layer_inv_freqs(cfg: ModelConfig) -> np.ndarray:
+    """Per-layer inverse RoPE frequencies [L, D/2]."""
+    return np.stack([rope_inv_freq(cfg) for _ in range(cfg.num_layers)])
+
+
+def forward(params: Params, ids: jax.Array) -> jax.Array:
+    """Plain dense causal forward of ids [B, T] -> fp32 logits [B, T, V] (no cache, no eviction)."""
+    cfg = params.config
+    b, t = ids.shape
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    empty_kv = jnp.zeros((b, cfg.num_kv_heads, 0, cfg.head_dim), params.dtype)
+    empty_pos = jnp.zeros((b, cfg.num_kv_heads, 0), jnp.int32)
+
+    def body(x, layer):
+        lw, inv_freq = layer
+        x, _, _, _ = layer_forward(lw, x, pos, empty_kv, empty_kv, empty_pos, cfg, inv_freq)
+        return x, None
+
+    x, _ = jax.lax.scan(body, embed(params, ids), (params.weights["layers"], jnp.asarray(layer_inv_freqs(cfg))))
+    return final_logits(params, x)

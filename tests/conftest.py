@@ -1,0 +1,22 @@
+"""Shared fixtures."""
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory) -> Path:
+    """SmolLM2-135M converted once per session (GGUF -> HF folder) under $VDJAX_CACHE or a pytest tmp dir."""
+    from vdjax import registry
+
+    source = registry.REGISTRY["smollm2-135m"]
+    if importlib.util.find_spec(source.package) is None:
+        pytest.skip(f"needs {source.package}: `{source.pip}`")
+    if os.environ.get("VDJAX_CACHE"):
+        return registry.resolve("smollm2-135m")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VDJAX_CACHE", str(tmp_path_factory.mktemp("vdjax_cache")))
+        return registry.resolve("smollm2-135m")

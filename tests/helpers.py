@@ -1,0 +1,51 @@
+"""Shared test helpers: tiny random models without any download."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from vdjax.models.config import ModelConfig
+from vdjax.models.params import Params
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    """A 2-layer GQA Llama-style config small enough to compile in about a second."""
+    kw = dict(family="llama", vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+              num_kv_heads=2, head_dim=8, rope_theta=10000.0, eos_token_ids=(), max_position_embeddings=4096)
+    kw.update(overrides)
+    return ModelConfig(**kw)
+
+
+def random_params(cfg: ModelConfig, seed: int = 0, scale: float = 0.3) -> Params:
+    """Random weights in the documented layout (large enough scale for peaked, seed-dependent attention)."""
+    rng = np.random.RandomState(seed)
+    L, H, Nq, K, D, F, V = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                            cfg.intermediate_size, cfg.vocab_size)
+
+    def r(*shape):
+        return jnp.asarray(rng.randn(*shape).astype(np.float32) * scale)
+
+    layers = dict(attn_norm=1 + r(L, H) * 0.3, mlp_norm=1 + r(L, H) * 0.3, wq=r(L, H, Nq, D), wk=r(L, H, K, D),
+                  wv=r(L, H, K, D), wo=r(L, Nq, D, H), w_gate=r(L, H, F), w_up=r(L, H, F), w_down=r(L, F, H))
+    w = dict(embed=r(V, H) * 3, final_norm=1 + r(H) * 0.3, layers=layers)
+    if not cfg.tie_embeddings:
+        w["lm_head"] = r(V, H)
+    return Params(weights=w, config=cfg)
+
+
+def random_ids(n: int, vocab: int, seed: int = 0) -> np.ndarray:
+    """n random token ids."""
+    return np.random.RandomState(seed).randint(0, vocab, size=n).astype(np.int32)
+
+
+def layer0_kv(params: Params, ids: np.ndarray):
+    """Layer-0 keys (after RoPE) and values of the whole prompt: [K, T, D] each (dense, no eviction)."""
+    from vdjax.models import transformer as tf
+
+    cfg = params.config
+    lw = jax.tree.map(lambda x: x[0], params.weights["layers"])
+    x = tf.embed(params, jnp.asarray(ids)[None])
+    h = tf.rms_norm(x, lw["attn_norm"], cfg.rms_norm_eps, cfg.norm_offset)
+    pos = jnp.arange(len(ids))[None]
+    _, k, v = tf.project_qkv(lw, h, pos, cfg, jnp.asarray(tf.rope_inv_freq(cfg)))
+    return np.asarray(k[0].transpose(1, 0, 2)), np.asarray(v[0].transpose(1, 0, 2))

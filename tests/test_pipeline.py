@@ -1,0 +1,194 @@
+"""Block prefill + decode eviction: no-op at full budget, DESIGN.md invariants, batching, compile reuse, errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import vdjax
+from vdjax import pipeline
+from vdjax.models import transformer as tf
+
+from helpers import layer0_kv, random_ids, random_params, tiny_config
+
+POLICY_NAMES = [n for n in vdjax.POLICIES if n != "dense"]
+T, NEW = 40, 8
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_params(tiny_config(), seed=1)
+
+
+@pytest.fixture(scope="module")
+def prompts(model):
+    """Two rows of different lengths (ragged), so the batch path and padding are always exercised."""
+    return [random_ids(T, model.config.vocab_size, 1), random_ids(T - 9, model.config.vocab_size, 2)]
+
+
+@pytest.fixture(scope="module")
+def dense_tokens(model, prompts):
+    return vdjax.generate(model, prompts, policy="dense", max_new_tokens=NEW)
+
+
+def test_dense_prefill_equals_plain_forward(model, prompts):
+    ids = prompts[0][None]
+    full = np.asarray(tf.forward(model, jnp.asarray(ids)))
+    for block in (1, 7, 64):
+        _, last = vdjax.prefill(model, ids, policy="dense", block_size=block)
+        np.testing.assert_allclose(np.asarray(last)[0], full[0, -1], rtol=1e-5, atol=1e-5)
+
+
+def test_dense_greedy_equals_step_by_step_forward(model, prompts, dense_tokens):
+    """The dense decode loop is exactly greedy decoding with a growing plain forward."""
+    fwd = jax.jit(tf.forward)
+    for row, ids in enumerate(prompts):
+        seq = list(ids)
+        for _ in range(NEW):  # right padding never changes earlier logits of a causal model: one compile
+            padded = np.zeros((1, T + NEW), np.int32)
+            padded[0, : len(seq)] = seq
+            seq.append(int(np.argmax(np.asarray(fwd(model, jnp.asarray(padded)))[0, len(seq) - 1])))
+        assert dense_tokens[row].tolist() == seq[len(ids):]
+
+
+@pytest.mark.parametrize("block", [1, 7, 64, 128])
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_full_budget_is_dense(model, prompts, dense_tokens, name, block):
+    out = vdjax.generate(model, prompts, policy=name, budget=T + NEW, block_size=block, max_new_tokens=NEW)
+    np.testing.assert_array_equal(out, dense_tokens)
+
+
+def _check_slots(pos: np.ndarray, seen: np.ndarray, budget: int):
+    """pos [L, B, K, N]: exactly min(N, seen[b]) valid unique positions per head, all < seen."""
+    for l, b, h in np.ndindex(pos.shape[:3]):
+        p = pos[l, b, h]
+        valid = p[p >= 0]
+        assert len(valid) == min(budget, seen[b]), (l, b, h, len(valid))
+        assert len(set(valid.tolist())) == len(valid)
+        assert valid.max() < seen[b]
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_budget_after_every_block_and_step(model, name):
+    """Rows of lengths 8, 16, ... show the cache after each block; generation then after each step."""
+    budget, block = 12, 8
+    rows = [random_ids(40, model.config.vocab_size, 3)[:n] for n in (5, 8, 16, 24, 32, 37)]
+    cache, _ = vdjax.prefill(model, rows, policy=name, budget=budget, block_size=block)
+    lengths = np.array([len(r) for r in rows])
+    _check_slots(np.asarray(cache.pos), lengths, budget)
+    for new in (2, 5):
+        g = vdjax.run(model, rows, policy=name, budget=budget, block_size=block, max_new_tokens=new)
+        _check_slots(np.asarray(g.cache.pos), lengths + new - 1, budget)
+
+
+def test_rows_evict_independently(model):
+    """Each row of a batch keeps exactly what it keeps alone (ragged lists and left-padded masks alike)."""
+    rows = [random_ids(37, model.config.vocab_size, 5), random_ids(21, model.config.vocab_size, 6)]
+    batch = vdjax.run(model, rows, policy="valuediff", budget=10, block_size=8, max_new_tokens=6)
+    width = 37
+    left = np.zeros((2, width), np.int32)
+    mask = np.zeros((2, width), np.int32)
+    for r, ids in enumerate(rows):
+        left[r, width - len(ids):] = ids
+        mask[r, width - len(ids):] = 1
+    padded = vdjax.run(model, left, policy="valuediff", budget=10, block_size=8, max_new_tokens=6,
+                       attention_mask=mask)
+    np.testing.assert_array_equal(padded.tokens, batch.tokens)
+    for r, ids in enumerate(rows):
+        alone = vdjax.run(model, ids, policy="valuediff", budget=10, block_size=8, max_new_tokens=6)
+        np.testing.assert_array_equal(alone.tokens[0], batch.tokens[r])
+        for l in range(model.config.num_layers):
+            for h in range(model.config.num_kv_heads):
+                assert sorted(np.asarray(alone.cache.pos)[l, 0, h]) == sorted(np.asarray(batch.cache.pos)[l, r, h])
+
+
+@pytest.mark.parametrize("name,sign", [("keynorm", -1.0), ("valuediff_norm", 1.0)])
+def test_layer0_keeps_global_topn_of_token_local_score(name, sign):
+    """Layer 0 sees the full prompt's k/v under block processing: its kept set is the global top-N."""
+    model = random_params(tiny_config(num_layers=1), seed=2)
+    ids = random_ids(150, model.config.vocab_size, 7)
+    budget = 23
+    cache, _ = vdjax.prefill(model, ids, policy=name, budget=budget, block_size=16)
+    k, v = layer0_kv(model, ids)
+    x = k if name == "keynorm" else v
+    score = sign * np.linalg.norm(x, axis=-1)  # [K, T]
+    for h in range(model.config.num_kv_heads):
+        order = sorted(range(len(ids)), key=lambda j: (-score[h, j], j))
+        assert sorted(np.asarray(cache.pos)[0, 0, h].tolist()) == sorted(order[:budget])
+
+
+def test_jit_and_eager_agree(model, prompts):
+    ids = prompts[1]
+    for name in ("valuediff", "snapkv", "h2o"):
+        p = pipeline.plan(model, ids, name, 9, 8)
+        args = (model, jnp.asarray(p.tokens), jnp.asarray(p.lengths))
+        kw = dict(policy=p.policy, hyper=p.hyper, slots=p.slots, block=p.block)
+        jc, jl = pipeline._prefill(*args, **kw)
+        with jax.disable_jit():
+            ec, el = pipeline._prefill.__wrapped__(*args, **kw)
+        np.testing.assert_array_equal(np.asarray(jc.pos), np.asarray(ec.pos))
+        np.testing.assert_allclose(np.asarray(jl), np.asarray(el), rtol=1e-4, atol=1e-5)
+
+
+def test_same_bucket_compiles_nothing_new(model):
+    vocab = model.config.vocab_size
+    vdjax.prefill(model, random_ids(100, vocab, 1), policy="keydiff", budget=16, block_size=16)  # 7 -> 8 blocks
+    before = pipeline._prefill._cache_size()
+    vdjax.prefill(model, random_ids(120, vocab, 2), policy="keydiff", budget=16, block_size=16)  # 8 blocks
+    vdjax.prefill(model, random_ids(113, vocab, 3), policy="keydiff", budget=16, block_size=16)
+    assert pipeline._prefill._cache_size() == before
+    assert [pipeline.bucket(n) for n in (1, 2, 3, 4, 5, 7, 9, 13, 17, 25)] == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
+
+
+def test_eos_stops_and_pads(model, prompts, dense_tokens):
+    eos = int(dense_tokens[0, 2])
+    out = vdjax.generate(model, prompts[0], policy="dense", max_new_tokens=NEW, eos_token_id=eos)
+    first = dense_tokens[0].tolist().index(eos)
+    assert out[0, : first + 1].tolist() == dense_tokens[0, : first + 1].tolist()
+    assert out.shape[1] == first + 1  # nothing else to generate: the loop stopped
+
+
+def test_sampling_is_keyed(model, prompts):
+    kw = dict(policy="valuediff", budget=16, max_new_tokens=6, temperature=0.8)
+    a = vdjax.generate(model, prompts[0], key=jax.random.key(1), **kw)
+    b = vdjax.generate(model, prompts[0], key=jax.random.key(1), **kw)
+    np.testing.assert_array_equal(a, b)
+    greedy = vdjax.generate(model, prompts[0], policy="valuediff", budget=16, max_new_tokens=6)
+    top1 = vdjax.generate(model, prompts[0], key=jax.random.key(2), top_k=1, **kw)
+    np.testing.assert_array_equal(top1, greedy)
+    nucleus = vdjax.generate(model, prompts[0], key=jax.random.key(2), top_p=1e-6, **kw)
+    np.testing.assert_array_equal(nucleus, greedy)
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        (dict(policy="bogus", budget=8), ValueError, "unknown policy 'bogus'"),
+        (dict(policy="valuediff", budget=0), ValueError, "budget must be an integer >= 1, got 0"),
+        (dict(policy="valuediff", budget=None), ValueError, "needs budget"),
+        (dict(policy="valuediff", budget=8, block_size=0), ValueError, "block_size must be an integer >= 1, got 0"),
+        (dict(policy="valuediff", budget=8, max_new_tokens=0), ValueError, "max_new_tokens must be"),
+        (dict(policy="valuediff", budget=8, n_sink=2), TypeError, "unknown keyword"),
+        (dict(policy="valuediff", budget=8, temperature=1.0), ValueError, "explicit key"),
+        (dict(policy="valuediff", budget=8, top_p=0.0), ValueError, "top_p must be in"),
+    ],
+)
+def test_bad_arguments(model, prompts, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        vdjax.generate(model, prompts[0], **kwargs)
+
+
+def test_bad_ids(model):
+    vocab = model.config.vocab_size
+    with pytest.raises(ValueError, match="at least one token"):
+        vdjax.generate(model, [], policy="valuediff", budget=8)
+    with pytest.raises(ValueError, match=rf"out-of-vocabulary id\(s\) \[{vocab}\]; allowed 0..{vocab - 1}"):
+        vdjax.generate(model, [1, 2, vocab], policy="valuediff", budget=8)
+    with pytest.raises(ValueError, match="out-of-vocabulary"):
+        vdjax.prefill(model, [[1, -3]], policy="valuediff", budget=8)
+    with pytest.raises(TypeError, match="integers"):
+        vdjax.generate(model, [1.5, 2.0], policy="valuediff", budget=8)
+    with pytest.raises(ValueError, match="holes"):
+        vdjax.generate(model, [[1, 2, 3]], attention_mask=[[1, 0, 1]], policy="valuediff", budget=8)
+    with pytest.raises(TypeError, match="params must be"):
+        vdjax.generate({"embed": 1}, [1, 2], policy="valuediff", budget=8)

@@ -1,0 +1,217 @@
+"""Every score function equals a plain NumPy reference; eviction operators keep exactly the right sets."""
+
+import numpy as np
+import pytest
+import jax
+import jax.numpy as jnp
+
+import vdjax
+from vdjax import cache as vc
+from vdjax import policies as P
+
+B, K, G, S, N, D = 2, 3, 2, 5, 11, 8
+C = N + S
+
+
+def _inputs(seed=0, empty=3):
+    """Random candidates with some empty cache slots, a padded query, and normalised attention."""
+    rng = np.random.RandomState(seed)
+    k = rng.randn(B, K, C, D).astype(np.float32)
+    v = rng.randn(B, K, C, D).astype(np.float32)
+    pos = np.empty((B, K, C), np.int32)
+    for b in range(B):
+        for h in range(K):
+            pos[b, h, :N] = rng.permutation(40)[:N]  # old tokens, arbitrary slot order
+            pos[b, h, rng.choice(N, empty, replace=False)] = -1
+    q_pos = np.array([[40, 41, 42, 43, 44], [40, 41, 42, -1, -1]], np.int32)  # row 1 ends early
+    pos[:, :, N:] = q_pos[:, None, :]
+    probs = rng.rand(B, K, G, S, C).astype(np.float32)
+    probs *= (pos >= 0)[:, :, None, None, :]
+    probs /= probs.sum(-1, keepdims=True)
+    acc = rng.rand(B, K, C).astype(np.float32)
+    return k, v, pos, probs, q_pos, acc
+
+
+def _ref_scores(name, k, v, pos, probs, q_pos, acc, budget, **kw):
+    """Plain NumPy, head by head, loops where it is clearer."""
+    out = np.zeros((B, K, C), np.float64)
+    for b in range(B):
+        valid_q = np.flatnonzero(q_pos[b] >= 0)
+        last_q, last_pos = valid_q[-1], q_pos[b].max()
+        for h in range(K):
+            val = pos[b, h] >= 0
+            kk, vv = k[b, h].astype(np.float64), v[b, h].astype(np.float64)
+            vbar, kbar = vv[val].mean(0), kk[val].mean(0)
+            ku = kk / np.linalg.norm(kk, axis=1, keepdims=True)
+            anchor = ku[val].mean(0)
+            cos = lambda x, a: x @ a / (np.linalg.norm(x, axis=1) * np.linalg.norm(a))  # noqa: E731
+            recent = lambda w: pos[b, h] > last_pos - w  # noqa: E731
+            if name == "valuediff":
+                s = np.linalg.norm(vv - vbar, axis=1)
+            elif name == "valuediff_dir":
+                s = 1 - cos(vv, vbar)
+            elif name == "valuediff_norm":
+                s = np.linalg.norm(vv, axis=1)
+            elif name == "keydiff":
+                s = -cos(kk, anchor)
+            elif name == "keynorm":
+                s = -np.linalg.norm(kk, axis=1)
+            elif name == "manifoldkv":
+                s = np.linalg.norm(kk - kbar, axis=1)
+            elif name == "streaming":
+                s = np.where(pos[b, h] < kw.get("n_sink", 4), np.inf, pos[b, h])
+            elif name == "tova":
+                s = probs[b, :, :, last_q].mean(axis=(0, 1))
+            elif name == "fastcaote":
+                a = probs[b, h, :, last_q].mean(0)
+                s = a / (1 - a) * np.linalg.norm(vv - vbar, axis=1)
+            elif name == "h2o":
+                s = np.where(recent(budget // 2), np.inf, acc[b, h])
+            elif name == "snapkv":
+                w = kw.get("window", 32)
+                win = [i for i in valid_q if q_pos[b, i] > last_pos - w]
+                votes = probs[b, h][:, win].sum(1).mean(0)
+                order = sorted(np.flatnonzero(val), key=lambda j: pos[b, h, j])
+                pooled = np.full(C, -np.inf)
+                for r, j in enumerate(order):
+                    pooled[j] = max(votes[order[i]] for i in range(max(0, r - 3), min(len(order), r + 4)))
+                s = np.where(recent(w), np.inf, pooled)
+            out[b, h] = s
+    return out
+
+
+POLICY_NAMES = [n for n in vdjax.POLICIES if n != "dense"]
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_score_matches_numpy(name):
+    k, v, pos, probs, q_pos, acc = _inputs()
+    kw = {"window": 3} if name == "snapkv" else {}
+    attn = P.AttnInfo(jnp.asarray(probs), jnp.asarray(q_pos), jnp.asarray(acc))
+    got = np.asarray(vdjax.get_policy(name)(k, v, attn, jnp.asarray(pos), budget=N, **kw))
+    ref = _ref_scores(name, k, v, pos, probs, q_pos, acc, N, **kw)
+    valid = pos >= 0
+    np.testing.assert_allclose(got[valid], ref[valid], rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["valuediff", "valuediff_dir", "keydiff", "manifoldkv", "fastcaote"])
+def test_invalid_slots_do_not_change_means(name):
+    """Garbage in empty slots must not move the scores of valid ones."""
+    k, v, pos, probs, q_pos, acc = _inputs(seed=1)
+    attn = P.AttnInfo(jnp.asarray(probs), jnp.asarray(q_pos), jnp.asarray(acc))
+    k2, v2 = k.copy(), v.copy()
+    k2[pos < 0] = 1e3
+    v2[pos < 0] = -1e3
+    pol = vdjax.get_policy(name)
+    a = np.asarray(pol(k, v, attn, jnp.asarray(pos), budget=N))
+    b = np.asarray(pol(k2, v2, attn, jnp.asarray(pos), budget=N))
+    np.testing.assert_allclose(a[pos >= 0], b[pos >= 0], rtol=1e-6)
+
+
+def _ref_keep(scores, pos, budget):
+    """Keep the top `budget` valid candidates by (score desc, position asc)."""
+    keep = np.zeros_like(pos, bool)
+    for idx in np.ndindex(pos.shape[:-1]):
+        cands = [j for j in range(pos.shape[-1]) if pos[idx][j] >= 0]
+        cands.sort(key=lambda j: (-scores[idx][j], pos[idx][j]))
+        keep[idx][cands[:budget]] = True
+    return keep
+
+
+def test_keep_mask_ties_keep_earlier_position():
+    pos = np.array([[5, 2, 9, -1, 7, 3]], np.int32)
+    scores = np.array([[1.0, 1.0, 1.0, 9.0, 1.0, 0.5]], np.float32)
+    keep = np.asarray(vc.keep_mask(jnp.asarray(scores), jnp.asarray(pos), 3))
+    assert keep.tolist() == [[True, True, False, False, True, False]]  # positions 2, 5, 7 of the 1.0 ties
+
+
+@pytest.mark.parametrize("budget", [1, 4, 9, 13, 30])
+def test_keep_mask_matches_reference(budget):
+    rng = np.random.RandomState(budget)
+    pos = np.stack([rng.permutation(60)[:C] for _ in range(B * K)]).reshape(B, K, C).astype(np.int32)
+    pos[rng.rand(B, K, C) < 0.2] = -1
+    scores = rng.randint(0, 4, size=(B, K, C)).astype(np.float32)  # many ties
+    scores[0, 0, 0] = np.inf
+    keep = np.asarray(vc.keep_mask(jnp.asarray(scores), jnp.asarray(pos), budget))
+    np.testing.assert_array_equal(keep, _ref_keep(scores, pos, budget))
+
+
+def test_single_destination_is_the_keep_mask_minimum():
+    rng = np.random.RandomState(3)
+    for trial in range(20):
+        pos = rng.permutation(50)[: N + 1].astype(np.int32)[None, None]
+        if trial % 3 == 0:
+            pos[0, 0, rng.choice(N, 2, replace=False)] = -1
+        scores = rng.randint(0, 3, size=(1, 1, N + 1)).astype(np.float32)
+        victim = int(vc.single_destination(jnp.asarray(scores), jnp.asarray(pos), N)[0, 0])
+        keep = _ref_keep(scores, pos, N)
+        gone = np.flatnonzero(~keep[0, 0])
+        assert victim in gone
+
+
+def test_topk_gather_and_slot_replacement_agree():
+    k, v, pos, probs, q_pos, acc = _inputs(seed=4)
+    scores = np.asarray(vdjax.get_policy("valuediff")(k, v, None, jnp.asarray(pos), budget=N))
+    gk, gv, gp = (np.asarray(x) for x in vc.topk_gather(k, v, jnp.asarray(pos), scores, N))
+    keep = np.asarray(vc.keep_mask(jnp.asarray(scores), jnp.asarray(pos), N))
+    old_pos, dest = (np.asarray(x) for x in vc.block_destinations(jnp.asarray(keep), jnp.asarray(pos), N))
+    slot_pos = np.asarray(vc.scatter_slots(jnp.asarray(old_pos), jnp.asarray(dest), jnp.asarray(pos[..., N:])))
+    slot_k = np.asarray(vc.scatter_slots(jnp.asarray(k[..., :N, :]), jnp.asarray(dest), jnp.asarray(k[..., N:, :])))
+    for b in range(B):
+        for h in range(K):
+            assert sorted(gp[b, h][gp[b, h] >= 0]) == sorted(pos[b, h][keep[b, h]])
+            assert sorted(slot_pos[b, h][slot_pos[b, h] >= 0]) == sorted(pos[b, h][keep[b, h]])
+            for j in np.flatnonzero(slot_pos[b, h] >= 0):  # every slot holds the key of its position
+                src = np.flatnonzero(pos[b, h] == slot_pos[b, h, j])[0]
+                np.testing.assert_array_equal(slot_k[b, h, j], k[b, h, src])
+            kept_old = keep[b, h, :N]  # kept cache slots never move
+            np.testing.assert_array_equal(slot_pos[b, h][kept_old], pos[b, h, :N][kept_old])
+
+
+def test_protect_and_combine():
+    k, v, pos, probs, q_pos, acc = _inputs(seed=5)
+    attn = P.AttnInfo(jnp.asarray(probs), jnp.asarray(q_pos), jnp.asarray(acc))
+    jpos = jnp.asarray(pos)
+    base = np.asarray(vdjax.get_policy("valuediff")(k, v, attn, jpos, budget=N))
+    sinks = np.asarray(vdjax.get_policy("valuediff+sinks12")(k, v, attn, jpos, budget=N))
+    assert np.all(np.isposinf(sinks[(pos >= 0) & (pos < 12)]))
+    np.testing.assert_array_equal(sinks[pos >= 12], base[pos >= 12])
+    recent = np.asarray(vdjax.protect_recent("keynorm", 3)(k, v, attn, jpos, budget=N))
+    assert np.all(np.isposinf(recent[pos > q_pos.max(1)[:, None, None] - 3]))
+    # a single standardised policy keeps the same set; weights mix z-scores
+    one = vdjax.combine({"valuediff": 2.0})
+    keep_a = np.asarray(vc.keep_mask(jnp.asarray(base), jpos, 6))
+    keep_b = np.asarray(vc.keep_mask(one(k, v, attn, jpos, budget=N), jpos, 6))
+    np.testing.assert_array_equal(keep_a, keep_b)
+    mix = np.asarray(vdjax.combine({"valuediff": 0.5, "keydiff": 0.5})(k, v, attn, jpos, budget=N))
+    kd = np.asarray(vdjax.get_policy("keydiff")(k, v, attn, jpos, budget=N))
+
+    def z(s):
+        out = np.zeros_like(s)
+        for idx in np.ndindex(s.shape[:-1]):
+            m = pos[idx] >= 0
+            out[idx][m] = (s[idx][m] - s[idx][m].mean()) / s[idx][m].std()
+        return out
+
+    valid = pos >= 0
+    np.testing.assert_allclose(mix[valid], (0.5 * z(base) + 0.5 * z(kd))[valid], rtol=1e-4, atol=1e-5)
+
+
+def test_policy_lookup_errors():
+    with pytest.raises(ValueError, match="unknown policy 'nope'"):
+        vdjax.get_policy("nope")
+    with pytest.raises(TypeError, match="n_sink"):
+        vdjax.get_policy("valuediff").hyper(n_sink=3)
+    assert vdjax.get_policy("streaming").hyper(n_sink=2) == (("n_sink", 2),)
+    with pytest.raises(TypeError, match="policy must be"):
+        vdjax.get_policy(3)
+
+
+def test_jit_equals_eager_scores():
+    k, v, pos, probs, q_pos, acc = _inputs(seed=6)
+    attn = P.AttnInfo(jnp.asarray(probs), jnp.asarray(q_pos), jnp.asarray(acc))
+    for name in POLICY_NAMES:
+        pol = vdjax.get_policy(name)
+        eager = np.asarray(pol(k, v, attn, jnp.asarray(pos), budget=N))
+        jitted = np.asarray(jax.jit(lambda a, b, c, d: pol(a, b, c, d, budget=N))(k, v, attn, jnp.asarray(pos)))
+        np.testing.assert_allclose(jitted, eager, rtol=1e-5, atol=1e-6, err_msg=name)

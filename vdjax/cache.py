@@ -1,0 +1,154 @@
+"""Fixed-size evicting KV cache and the pure eviction operators (`keep_mask`, `topk_gather`, slot replacement).
+
+Slots hold tokens in no particular order; `pos` gives each slot's absolute position (-1 = empty).
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+
+@flax.struct.dataclass
+class LayerCache:
+    """One layer's cache: k, v [B, K, N, D]; pos [B, K, N] int32 (-1 empty); acc [B, K, N] accumulated attention."""
+
+    k: jax.Array
+    v: jax.Array
+    pos: jax.Array
+    acc: jax.Array
+
+    @property
+    def valid(self) -> jax.Array:
+        """Slots holding a token: [B, K, N] bool."""
+        return self.pos >= 0
+
+
+@flax.struct.dataclass
+class KVCache:
+    """All layers' caches stacked on a leading [L] axis; `cache[i]` / `cache.layer(i)` gives one layer."""
+
+    k: jax.Array  # [L, B, K, N, D]
+    v: jax.Array  # [L, B, K, N, D]
+    pos: jax.Array  # [L, B, K, N] int32
+    acc: jax.Array  # [L, B, K, N] fp32
+
+    @classmethod
+    def empty(cls, num_layers, batch, kv_heads, slots, head_dim, dtype) -> "KVCache":
+        """An empty cache of `slots` slots per head."""
+        shape = (num_layers, batch, kv_heads, slots)
+        return cls(
+            k=jnp.zeros(shape + (head_dim,), dtype),
+            v=jnp.zeros(shape + (head_dim,), dtype),
+            pos=jnp.full(shape, -1, jnp.int32),
+            acc=jnp.zeros(shape, jnp.float32),
+        )
+
+    @property
+    def budget(self) -> int:
+        """Slots per head (N)."""
+        return self.pos.shape[-1]
+
+    def __len__(self) -> int:
+        return self.pos.shape[0]
+
+    def layer(self, i: int) -> LayerCache:
+        """One layer's cache."""
+        return LayerCache(self.k[i], self.v[i], self.pos[i], self.acc[i])
+
+    __getitem__ = layer
+
+    def valid_counts(self):
+        """Valid slots per layer, row and head: [L, B, K]."""
+        return jnp.sum(self.pos >= 0, axis=-1)
+
+    def nbytes(self) -> int:
+        """Bytes held by the cache arrays."""
+        return sum(x.nbytes for x in (self.k, self.v, self.pos, self.acc))
+
+
+def rank_keys(scores: jax.Array, pos: jax.Array) -> jax.Array:
+    """Scores made eviction-ready: invalid candidates -inf, NaN -> -inf, fp32."""
+    s = jnp.nan_to_num(scores.astype(jnp.float32), nan=-jnp.inf)
+    return jnp.where(pos >= 0, s, -jnp.inf)
+
+
+def keep_mask(scores: jax.Array, pos: jax.Array, budget: int) -> jax.Array:
+    """Which candidates survive: the top `budget` by (score desc, position asc), valid only. [..., C] bool.
+
+    Exact ties keep the earlier position; invalid candidates are never kept, and a set of at most
+    `budget` valid candidates is kept whole.
+    """
+    c = scores.shape[-1]
+    if budget >= c:
+        return pos >= 0
+    s = rank_keys(scores, pos)
+    idx = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), s.shape)
+    # ascending (score, -pos), invalid before everything of equal score: the first C - budget entries go
+    tie = jnp.where(pos >= 0, -pos, jnp.iinfo(jnp.int32).min)
+    _, _, order = jax.lax.sort((s, tie, idx), dimension=-1, num_keys=2)
+    rank = jnp.argsort(order, axis=-1)  # position of each candidate in that order
+    return (rank >= c - budget) & (pos >= 0)
+
+
+def topk_gather(k, v, pos, scores, budget: int):
+    """Reference eviction: gather the kept candidates into `budget` slots (k, v [..., C, D], pos [..., C]).
+
+    Returns (k [..., N, D], v, pos [..., N]) with empty slots at pos -1. The pipeline uses the equivalent,
+    copy-free `insert_block`; this is the plain operator for research code and tests.
+    """
+    keep = keep_mask(scores, pos, budget)
+    # kept first (in candidate order), then the rest
+    order = jnp.argsort(~keep, axis=-1, stable=True)[..., :budget]
+    kept = jnp.take_along_axis(keep, order, axis=-1)
+    gk = jnp.take_along_axis(k, order[..., None], axis=-2)
+    gv = jnp.take_along_axis(v, order[..., None], axis=-2)
+    gp = jnp.where(kept, jnp.take_along_axis(pos, order, axis=-1), -1)
+    return gk, gv, gp
+
+
+def _free_slots(free: jax.Array, count: int) -> jax.Array:
+    """Indices [..., count] of the first `count` True entries of free [..., N] (N where there are fewer)."""
+    n = free.shape[-1]
+    idx = jnp.where(free, jnp.arange(n, dtype=jnp.int32), n)
+    return jnp.sort(idx, axis=-1)[..., :count]
+
+
+def block_destinations(keep: jax.Array, pos: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
+    """Slot replacement plan from a keep mask over N + S candidates.
+
+    Returns (cache_pos [B, K, N]: old slots' positions with evicted ones set to -1,
+    dest [B, K, S]: the slot each new token is written to, N = dropped). Surviving new tokens take the slots
+    freed by evicted (or empty) ones, in order, so no kept slot moves.
+    """
+    s = keep.shape[-1] - n
+    kept_old = keep[..., :n]
+    cache_pos = jnp.where(kept_old, pos[..., :n], -1)
+    slots = _free_slots(~kept_old, s)  # [B, K, S]
+    keep_new = keep[..., n:]
+    rank = jnp.cumsum(keep_new, axis=-1) - 1  # [B, K, S]
+    dest = jnp.take_along_axis(slots, jnp.clip(rank, 0, s - 1), axis=-1)
+    return cache_pos, jnp.where(keep_new, dest, n)
+
+
+def single_destination(scores: jax.Array, pos: jax.Array, n: int) -> jax.Array:
+    """Decode-step plan (one new token): the slot [B, K] it replaces, N if the new token itself is evicted.
+
+    The evicted candidate is the minimum by (score asc, position desc) — the same order as `keep_mask` —
+    found with reductions instead of a sort. Below budget an empty slot is always the minimum.
+    """
+    s = rank_keys(scores, pos)  # [B, K, N + 1]
+    low = jnp.min(s, axis=-1, keepdims=True)
+    i32 = jnp.iinfo(jnp.int32)
+    latest = jnp.where(s == low, jnp.where(pos >= 0, pos, i32.max), i32.min)  # empty slots go first
+    victim = jnp.argmax(latest == jnp.max(latest, axis=-1, keepdims=True), axis=-1)  # first index of the max
+    return victim.astype(jnp.int32)
+
+
+def scatter_slots(buf: jax.Array, dest: jax.Array, new: jax.Array) -> jax.Array:
+    """Write new [B, K, S, ...] into buf [B, K, N, ...] at slots dest [B, K, S] (index N = dropped)."""
+    b, kh, s = dest.shape
+    bi = jnp.arange(b)[:, None, None]
+    hi = jnp.arange(kh)[None, :, None]
+    return buf.at[bi, hi, dest].set(new, mode="drop")

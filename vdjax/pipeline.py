@@ -1,0 +1,345 @@
+"""True block prompt processing and per-step decode eviction, each one jit-compiled program.
+
+Prefill: `lax.scan` over blocks of S tokens with a fixed-shape carry (the KV cache); inside each block a
+`lax.scan` over layers: attend from the block to the layer's N cache slots + the block, score the N + S
+candidates with the policy, keep the top N (new survivors overwrite the evicted slots; nothing else moves).
+Decode: a `lax.while_loop` doing the same with one token per step.
+
+Rows of a batch are aligned at their first real token (right padding inside); each row evicts on its own.
+Prompt lengths are bucketed (block counts 1, 2, 3, 4, 6, 8, 12, ...) so nearby lengths share a program;
+blocks holding only padding are skipped at run time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from vdjax.cache import KVCache, block_destinations, keep_mask, scatter_slots, single_destination
+from vdjax.models import transformer as tf
+from vdjax.models.params import Params
+from vdjax.policies import AttnInfo, Policy, get_policy
+from vdjax.sampling import check_sampling, sample
+
+_NO_WINDOW = 1 << 30
+
+
+def bucket(n: int) -> int:
+    """Smallest value of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (at most 1.5x apart) that is >= n."""
+    p = 1
+    while True:
+        if p >= n:
+            return p
+        if p >= 2 and p * 3 // 2 >= n:
+            return p * 3 // 2
+        p *= 2
+
+
+def _layer_constants(cfg):
+    """Per-layer (inverse RoPE frequencies [L, D/2], sliding window [L]) as arrays."""
+    inv = jnp.asarray(tf.layer_inv_freqs(cfg))
+    win = [cfg.sliding_window if t == "sliding_attention" and cfg.sliding_window else _NO_WINDOW
+           for t in cfg.layer_types]
+    return inv, jnp.asarray(win, jnp.int32)
+
+
+def _evict_layer(policy: Policy, hyper, cache: KVCache, l, lc, k_new, v_new, probs, q_pos, window):
+    """Score the layer's N + S candidates and write the survivors back into `cache` (slot replacement)."""
+    b, kh, s, _ = k_new.shape
+    n = cache.budget
+    new_pos = jnp.broadcast_to(q_pos[:, None, :], (b, kh, s))  # [B, K, S]
+    bi, hi = jnp.arange(b)[:, None, None], jnp.arange(kh)[None, :, None]
+
+    if policy.is_dense:  # the cache is indexed by position: slot = absolute position
+        dest = jnp.where(new_pos >= 0, new_pos, n)
+        return dataclasses.replace(
+            cache,
+            k=cache.k.at[l, bi, hi, dest].set(k_new, mode="drop"),
+            v=cache.v.at[l, bi, hi, dest].set(v_new, mode="drop"),
+            pos=cache.pos.at[l, bi, hi, dest].set(new_pos, mode="drop"),
+        )
+
+    last_pos = jnp.max(q_pos, axis=1)[:, None, None]  # [B, 1, 1]
+    cand_pos = jnp.concatenate([lc.pos, new_pos], axis=-1)  # [B, K, C]
+    # sliding layers: a token no future query can see is dead -> treated as empty (dropped, never kept)
+    cand_pos = jnp.where(last_pos + 1 - cand_pos >= window, -1, cand_pos)
+    valid_q = (q_pos >= 0).astype(jnp.float32)[:, None, None, :, None]  # [B, 1, 1, S, 1]
+    acc = jnp.concatenate([lc.acc, jnp.zeros((b, kh, s), jnp.float32)], axis=-1)
+    if policy.accumulates:
+        acc = acc + jnp.sum(jnp.mean(probs, axis=2)[:, :, None] * valid_q, axis=(2, 3))
+    attn = AttnInfo(probs=probs, q_pos=q_pos, acc=acc)
+    cand_k = jnp.concatenate([lc.k, k_new], axis=2)  # [B, K, C, D]
+    cand_v = jnp.concatenate([lc.v, v_new], axis=2)
+    scores = policy(cand_k, cand_v, attn, cand_pos, budget=n, **dict(hyper))  # [B, K, C]
+
+    if s == 1:  # decode: one victim per head, found by reductions
+        victim = single_destination(scores, cand_pos, n)  # [B, K]
+        dest = jnp.where(victim < n, victim, n)[..., None]  # [B, K, 1]
+        old_pos, old_acc = cand_pos[..., :n], acc[..., :n]
+        new_pos = cand_pos[..., n:]
+    else:
+        keep = keep_mask(scores, cand_pos, n)
+        old_pos, dest = block_destinations(keep, cand_pos, n)
+        old_acc = jnp.where(old_pos >= 0, acc[..., :n], 0.0)
+    return dataclasses.replace(
+        cache,
+        k=cache.k.at[l, bi, hi, dest].set(k_new, mode="drop"),
+        v=cache.v.at[l, bi, hi, dest].set(v_new, mode="drop"),
+        pos=cache.pos.at[l].set(scatter_slots(old_pos, dest, new_pos)),
+        acc=cache.acc.at[l].set(scatter_slots(old_acc, dest, acc[..., n:])),
+    )
+
+
+def _run_layers(params: Params, policy: Policy, hyper, cache: KVCache, x, q_pos):
+    """All layers over one block x [B, S, H] at positions q_pos [B, S], evicting after each layer's attention."""
+    cfg = params.config
+    inv_freq, windows = _layer_constants(cfg)
+
+    def body(carry, xs):
+        x, cache = carry
+        lw, l, inv, window = xs
+        lc = cache.layer(l)
+        x, k_new, v_new, probs = tf.layer_forward(lw, x, q_pos, lc.k, lc.v, lc.pos, cfg, inv, window)
+        cache = _evict_layer(policy, hyper, cache, l, lc, k_new, v_new, probs, q_pos, window)
+        return (x, cache), None
+
+    layers = jnp.arange(cfg.num_layers)
+    (x, cache), _ = jax.lax.scan(body, (x, cache), (params.weights["layers"], layers, inv_freq, windows))
+    return x, cache
+
+
+@functools.partial(jax.jit, static_argnames=("policy", "hyper", "slots", "block"))
+def _prefill(params: Params, tokens, lengths, *, policy: Policy, hyper, slots: int, block: int):
+    """tokens [B, nb*S] (row r real up to lengths[r]) -> (cache with `slots` slots, last logits [B, V])."""
+    cfg = params.config
+    b, t = tokens.shape
+    nb = t // block
+    pos = jnp.arange(t, dtype=jnp.int32)[None, :]
+    q_pos = jnp.where(pos < lengths[:, None], pos, -1)  # [B, T]
+    xs = (tokens.reshape(b, nb, block).swapaxes(0, 1), q_pos.reshape(b, nb, block).swapaxes(0, 1))
+    cache = KVCache.empty(cfg.num_layers, b, cfg.num_kv_heads, slots, cfg.head_dim, params.dtype)
+    h_last = jnp.zeros((b, cfg.hidden_size), params.dtype)
+
+    def block_step(carry, xs):
+        tok, qp = xs  # [B, S]
+
+        def run(carry):
+            cache, h_last = carry
+            x, cache = _run_layers(params, policy, hyper, cache, tf.embed(params, tok), qp)
+            is_last = qp == (lengths - 1)[:, None]  # [B, S]
+            h = jnp.sum(jnp.where(is_last[..., None], x, 0), axis=1)
+            return cache, jnp.where(jnp.any(is_last, axis=1)[:, None], h, h_last)
+
+        return jax.lax.cond(jnp.any(qp >= 0), run, lambda c: c, carry), None
+
+    (cache, h_last), _ = jax.lax.scan(block_step, (cache, h_last), xs)
+    return cache, tf.final_logits(params, h_last)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("policy", "hyper", "max_new", "temperature", "top_k", "top_p"), donate_argnums=(1,)
+)
+def _decode(params, cache, logits, lengths, key, eos, pad, *, policy, hyper, max_new, temperature, top_k, top_p):
+    """Sample max_new tokens [B, max_new] from the prefill logits, evicting once per layer per step."""
+    b = logits.shape[0]
+    key, sub = jax.random.split(key)
+    first = sample(logits, sub, temperature, top_k, top_p)
+    out = jnp.full((b, max_new), pad, jnp.int32).at[:, 0].set(first)
+    done = jnp.isin(first, eos)
+
+    def cond(state):
+        i, _, _, done, _, _ = state
+        return (i < max_new) & ~jnp.all(done)
+
+    def body(state):
+        i, cache, tok, done, out, key = state
+        q_pos = (lengths + i - 1)[:, None]  # [B, 1] the fed token's position
+        x, cache = _run_layers(params, policy, hyper, cache, tf.embed(params, tok[:, None]), q_pos)
+        key, sub = jax.random.split(key)
+        nxt = sample(tf.final_logits(params, x[:, 0]), sub, temperature, top_k, top_p)
+        nxt = jnp.where(done, pad, nxt)
+        return i + 1, cache, nxt, done | jnp.isin(nxt, eos), out.at[:, i].set(nxt), key
+
+    i, cache, _, _, out, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), cache, first, done, out, key))
+    return out, i, cache
+
+
+# ---- input checking -------------------------------------------------------------------------------------
+def prepare_ids(params: Params, ids: Any, attention_mask: Any = None) -> tuple[np.ndarray, np.ndarray]:
+    """Validate ids ([T], [batch, T] with optional left-padding mask, or ragged lists) -> (rows, lengths).
+
+    Returns rows as a list-free int32 array [batch, T_max] with each row's tokens first, and lengths [batch].
+    """
+    vocab = params.config.vocab_size
+    ragged = isinstance(ids, (list, tuple)) and ids and isinstance(ids[0], (list, tuple, np.ndarray))
+    if ragged and len({len(r) for r in ids}) > 1:
+        if attention_mask is not None:
+            raise ValueError("attention_mask needs ids of one length [batch, T]; ragged lists need no mask")
+        rows = [np.asarray(r) for r in ids]
+    else:
+        arr = np.asarray(ids)
+        if arr.ndim == 1:
+            arr = arr[None]
+        if arr.ndim != 2:
+            raise ValueError(f"ids must be [T] or [batch, T], got shape {arr.shape}")
+        if attention_mask is None:
+            rows = list(arr)
+        else:
+            mask = np.asarray(attention_mask).astype(bool)
+            if mask.shape != arr.shape:
+                raise ValueError(f"attention_mask shape {mask.shape} must equal ids shape {arr.shape}")
+            rows = []
+            for r, (row, m) in enumerate(zip(arr, mask)):
+                idx = np.flatnonzero(m)
+                if idx.size and idx[-1] - idx[0] + 1 != idx.size:
+                    raise ValueError(f"attention_mask row {r} has holes; only left (or right) padding is allowed")
+                rows.append(row[idx])
+    lengths = np.array([len(r) for r in rows], np.int32)
+    if len(rows) == 0 or lengths.min() == 0:
+        raise ValueError(f"ids must hold at least one token per row, got lengths {lengths.tolist()}")
+    out = np.zeros((len(rows), int(lengths.max())), np.int32)
+    for r, row in enumerate(rows):
+        if not np.issubdtype(row.dtype, np.integer):
+            raise TypeError(f"ids must be integers, got dtype {row.dtype}")
+        bad = row[(row < 0) | (row >= vocab)]
+        if bad.size:
+            raise ValueError(f"ids row {r} has out-of-vocabulary id(s) {bad[:5].tolist()}; allowed 0..{vocab - 1}")
+        out[r, : len(row)] = row
+    return out, lengths
+
+
+def _check_int(name: str, value: Any, minimum: int = 1) -> int:
+    """value as an int >= minimum, or a ValueError naming the argument."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+@dataclasses.dataclass
+class Plan:
+    """Static shapes of one call: padded tokens, block size S, block count, cache slots N."""
+
+    tokens: np.ndarray
+    lengths: np.ndarray
+    block: int
+    slots: int
+    policy: Policy
+    hyper: tuple
+
+
+def plan(params, ids, policy, budget, block_size, extra_tokens=0, attention_mask=None, **policy_kwargs) -> Plan:
+    """Check the arguments and fix the shapes (bucketed) of a prefill/generate call."""
+    if not isinstance(params, Params):
+        raise TypeError(f"params must be vdjax Params (from vdjax.load), got {type(params).__name__}")
+    pol = get_policy(policy)
+    hyper = pol.hyper(**policy_kwargs)
+    block_size = _check_int("block_size", block_size)
+    tokens, lengths = prepare_ids(params, ids, attention_mask)
+    t = int(lengths.max())
+    if block_size >= t:
+        block, nb = bucket(max(t, 16)), 1
+    else:
+        block, nb = block_size, bucket(-(-t // block_size))
+    padded = np.zeros((tokens.shape[0], block * nb), np.int32)
+    padded[:, :t] = tokens
+    if pol.is_dense:
+        slots = block * nb + extra_tokens
+    else:
+        if budget is None:
+            raise ValueError(f"policy {pol.name!r} needs budget=N (cache slots per head); only 'dense' does not")
+        slots = _check_int("budget", budget)
+    return Plan(padded, lengths, block, slots, pol, hyper)
+
+
+# ---- public API -----------------------------------------------------------------------------------------
+def prefill(
+    params: Params,
+    ids,
+    policy: Policy | str = "valuediff",
+    budget: int | None = None,
+    block_size: int = 128,
+    *,
+    attention_mask=None,
+    **policy_kwargs,
+) -> tuple[KVCache, jax.Array]:
+    """Block-prefill a prompt under eviction; returns (cache, last-token logits [batch, V])."""
+    p = plan(params, ids, policy, budget, block_size, 0, attention_mask, **policy_kwargs)
+    return _prefill(params, jnp.asarray(p.tokens), jnp.asarray(p.lengths), policy=p.policy, hyper=p.hyper,
+                    slots=p.slots, block=p.block)
+
+
+@dataclasses.dataclass
+class Generation:
+    """Result of `run`: tokens [batch, new] and what it cost."""
+
+    tokens: np.ndarray
+    cache: KVCache
+    prefill_s: float  # time to first token (prefill + first sample), compile included on first call
+    decode_s: float
+    steps: int  # decode steps run (new tokens - 1)
+    policy: str
+    hyper: tuple
+    budget: int
+
+
+def run(
+    params: Params,
+    ids,
+    policy: Policy | str = "valuediff",
+    budget: int | None = None,
+    block_size: int = 128,
+    max_new_tokens: int = 64,
+    *,
+    attention_mask=None,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    key: jax.Array | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    **policy_kwargs,
+) -> Generation:
+    """`generate` plus timings and the final cache."""
+    max_new = _check_int("max_new_tokens", max_new_tokens)
+    check_sampling(temperature, top_k, top_p, key)
+    p = plan(params, ids, policy, budget, block_size, max_new, attention_mask, **policy_kwargs)
+    cfg = params.config
+    eos = cfg.eos_token_ids if eos_token_id is None else eos_token_id
+    eos = jnp.asarray(np.atleast_1d(np.asarray(eos if eos is not None else [], np.int32)).reshape(-1), jnp.int32)
+    pad = cfg.pad_token_id if cfg.pad_token_id is not None else (int(eos[0]) if eos.size else 0)
+    key = jax.random.key(0) if key is None else key
+    lengths = jnp.asarray(p.lengths)
+    t0 = time.perf_counter()
+    cache, logits = _prefill(params, jnp.asarray(p.tokens), lengths, policy=p.policy, hyper=p.hyper,
+                             slots=p.slots, block=p.block)
+    logits.block_until_ready()
+    t1 = time.perf_counter()
+    out, steps, cache = _decode(params, cache, logits, lengths, key, eos, jnp.int32(pad), policy=p.policy,
+                                hyper=p.hyper, max_new=max_new, temperature=float(temperature),
+                                top_k=int(top_k), top_p=float(top_p))
+    out = np.asarray(out)
+    t2 = time.perf_counter()
+    steps = int(steps)
+    return Generation(out[:, :steps], cache, t1 - t0, t2 - t1, steps - 1, p.policy.name, p.hyper, p.slots)
+
+
+def generate(
+    params: Params,
+    ids,
+    policy: Policy | str = "valuediff",
+    budget: int | None = None,
+    block_size: int = 128,
+    max_new_tokens: int = 64,
+    **kwargs,
+) -> np.ndarray:
+    """Generate up to `max_new_tokens` tokens [batch, new] with block prefill + per-step eviction to `budget`.
+
+    Keywords: attention_mask (left padding), temperature/top_k/top_p with an explicit `key`, eos_token_id,
+    and the policy's hyper-parameters (e.g. n_sink=4 for streaming).
+    """
+    return run(params, ids, policy, budget, block_size, max_new_tokens, **kwargs).tokens

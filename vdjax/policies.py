@@ -1,0 +1,308 @@
+"""Eviction policies as pure score functions in one registry (higher score = keep), plus composition helpers.
+
+Every score function has the signature
+
+    score(k, v, attn, pos, *, budget, **hyper) -> scores [B, K, C] (fp32)
+
+over the C = N + S candidates of one layer (the N cache slots, then the block's S new tokens):
+k, v [B, K, C, D] (keys after RoPE), pos [B, K, C] absolute positions (-1 = invalid), attn an `AttnInfo`.
+Scores of invalid candidates are ignored (the pipeline sets them to -inf); means are taken over the valid
+candidates of each head. `+inf` marks a protected token: protected tokens rank above all others.
+Ties keep the earlier position (see `cache.keep_mask`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Callable, Mapping
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+_EPS = 1e-12
+_INF = jnp.inf
+
+
+@flax.struct.dataclass
+class AttnInfo:
+    """What attention-based scores may read about the current block's queries."""
+
+    probs: jax.Array  # [B, K, G, S, C] softmax weights of the block's queries over the candidates
+    q_pos: jax.Array  # [B, S] absolute query positions, -1 = padding
+    acc: jax.Array  # [B, K, C] attention accumulated over every query so far (GQA mean), incl. this block
+
+    @property
+    def last_index(self) -> jax.Array:
+        """Index [B] of the block's last valid query (0 when the row has none)."""
+        s = self.q_pos.shape[1]
+        return jnp.max(jnp.where(self.q_pos >= 0, jnp.arange(s), 0), axis=1)
+
+    @property
+    def last_pos(self) -> jax.Array:
+        """Absolute position [B] of the last valid query seen (the most recent token)."""
+        return jnp.max(self.q_pos, axis=1)
+
+    def last_query(self) -> jax.Array:
+        """Attention weights [B, K, G, C] of the block's last valid query."""
+        idx = self.last_index[:, None, None, None, None]  # [B, 1, 1, 1, 1]
+        return jnp.take_along_axis(self.probs, idx, axis=3)[:, :, :, 0]
+
+
+def valid_mask(pos: jax.Array) -> jax.Array:
+    """Candidates that hold a token: [B, K, C] bool."""
+    return pos >= 0
+
+
+def masked_mean(x: jax.Array, valid: jax.Array) -> jax.Array:
+    """Mean over the valid candidates: x [B, K, C, D], valid [B, K, C] -> [B, K, 1, D] (fp32)."""
+    w = valid[..., None].astype(jnp.float32)
+    total = jnp.sum(x.astype(jnp.float32) * w, axis=2, keepdims=True)
+    return total / jnp.maximum(jnp.sum(w, axis=2, keepdims=True), 1.0)
+
+
+def _norm(x: jax.Array) -> jax.Array:
+    """L2 norm over the last axis in fp32."""
+    x = x.astype(jnp.float32)
+    return jnp.sqrt(jnp.sum(x * x, axis=-1))
+
+
+def _cos(x: jax.Array, anchor: jax.Array) -> jax.Array:
+    """Cosine similarity of x [B, K, C, D] with anchor [B, K, 1, D] -> [B, K, C]."""
+    x = x.astype(jnp.float32)
+    dot = jnp.sum(x * anchor, axis=-1)
+    return dot / jnp.maximum(_norm(x) * _norm(anchor), _EPS)
+
+
+def _recent(pos: jax.Array, attn: AttnInfo, window: int) -> jax.Array:
+    """Candidates among the `window` most recent positions: [B, K, C] bool."""
+    return pos > (attn.last_pos[:, None, None] - window)
+
+
+# ---- value geometry -------------------------------------------------------------------------------------
+def valuediff(k, v, attn, pos, **_):
+    """ValueDiff: ||v_j - mean(v)||_2."""
+    return _norm(v.astype(jnp.float32) - masked_mean(v, valid_mask(pos)))
+
+
+def valuediff_dir(k, v, attn, pos, **_):
+    """ValueDiff-Dir: 1 - cos(v_j, mean(v))."""
+    return 1.0 - _cos(v, masked_mean(v, valid_mask(pos)))
+
+
+def valuediff_norm(k, v, attn, pos, **_):
+    """ValueDiff-Norm: ||v_j||_2."""
+    return _norm(v)
+
+
+# ---- key geometry ---------------------------------------------------------------------------------------
+def keydiff(k, v, attn, pos, **_):
+    """KeyDiff: -cos(k_j, mean_i(k_i / ||k_i||))."""
+    k32 = k.astype(jnp.float32)
+    unit = k32 / jnp.maximum(_norm(k32), _EPS)[..., None]
+    return -_cos(k32, masked_mean(unit, valid_mask(pos)))
+
+
+def keynorm(k, v, attn, pos, **_):
+    """KeyNorm: -||k_j||_2 (keep the smallest key norms)."""
+    return -_norm(k)
+
+
+def manifoldkv(k, v, attn, pos, **_):
+    """ManifoldKV: ||k_j - mean(k)||_2."""
+    return _norm(k.astype(jnp.float32) - masked_mean(k, valid_mask(pos)))
+
+
+# ---- position / attention -------------------------------------------------------------------------------
+def streaming(k, v, attn, pos, *, n_sink: int = 4, **_):
+    """StreamingLLM: the first `n_sink` positions, then the most recent ones."""
+    return jnp.where(pos < n_sink, _INF, pos.astype(jnp.float32))
+
+
+def tova(k, v, attn, pos, *, per_kv_head: bool = False, **_):
+    """TOVA: the block's last query's weights, averaged over all query heads of the layer (or per KV head)."""
+    last = attn.last_query()  # [B, K, G, C]
+    if per_kv_head:
+        return jnp.mean(last, axis=2)
+    return jnp.broadcast_to(jnp.mean(last, axis=(1, 2))[:, None], pos.shape)
+
+
+def _maxpool_by_position(scores: jax.Array, pos: jax.Array, kernel: int) -> jax.Array:
+    """Max-pool scores [B, K, C] with `kernel` (stride 1, same length) along candidates sorted by position."""
+    order = jnp.argsort(jnp.where(pos >= 0, pos, jnp.iinfo(jnp.int32).max), axis=-1)  # invalid last
+    sorted_scores = jnp.take_along_axis(jnp.where(pos >= 0, scores, -_INF), order, axis=-1)
+    pad = kernel // 2
+    pooled = jax.lax.reduce_window(
+        sorted_scores, -_INF, jax.lax.max, (1, 1, kernel), (1, 1, 1), ((0, 0), (0, 0), (pad, kernel - 1 - pad))
+    )
+    inverse = jnp.argsort(order, axis=-1)
+    return jnp.take_along_axis(pooled, inverse, axis=-1)
+
+
+def snapkv(k, v, attn, pos, *, window: int = 32, kernel: int = 7, **_):
+    """SnapKV: attention of the last `window` queries summed, GQA-mean, max-pooled; the window is kept."""
+    in_window = (attn.q_pos >= 0) & (attn.q_pos > attn.last_pos[:, None] - window)  # [B, S]
+    votes = jnp.sum(attn.probs * in_window[:, None, None, :, None], axis=3)  # [B, K, G, C]
+    pooled = _maxpool_by_position(jnp.mean(votes, axis=2), pos, kernel)
+    return jnp.where(_recent(pos, attn, window), _INF, pooled)
+
+
+def h2o(k, v, attn, pos, *, budget: int, n_recent: int | None = None, **_):
+    """H2O: accumulated attention (heavy hitters) plus the `n_recent` (default budget // 2) most recent tokens."""
+    recent = budget // 2 if n_recent is None else n_recent
+    return jnp.where(_recent(pos, attn, recent), _INF, attn.acc)
+
+
+def fastcaote(k, v, attn, pos, **_):
+    """FastCAOTE: alpha_j / (1 - alpha_j) * ||v_j - mean(v)||, alpha = last query's GQA-mean attention."""
+    alpha = jnp.mean(attn.last_query(), axis=2)  # [B, K, C]
+    return alpha / jnp.maximum(1.0 - alpha, _EPS) * valuediff(k, v, attn, pos)
+
+
+# ---- registry -------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """A named eviction policy: a score function, its keyword defaults, and what the pipeline must provide."""
+
+    name: str
+    score: Callable[..., jax.Array] | None  # None = dense (no eviction)
+    defaults: tuple[tuple[str, Any], ...] = ()
+    needs_attention: bool = False  # reads attn.probs (the pipeline then keeps them)
+    accumulates: bool = False  # reads attn.acc (accumulated attention carried in the cache)
+
+    @property
+    def is_dense(self) -> bool:
+        """True for the no-eviction baseline."""
+        return self.score is None
+
+    def hyper(self, **overrides) -> tuple[tuple[str, Any], ...]:
+        """Defaults updated with `overrides` (unknown names raise a TypeError naming the allowed ones)."""
+        allowed = dict(self.defaults)
+        unknown = sorted(set(overrides) - set(allowed))
+        if unknown:
+            raise TypeError(
+                f"policy {self.name!r} got unknown keyword(s) {unknown}; it accepts {sorted(allowed) or 'none'}"
+            )
+        allowed.update(overrides)
+        return tuple(sorted(allowed.items()))
+
+    def __call__(self, k, v, attn, pos, *, budget: int, **hyper) -> jax.Array:
+        """Score the candidates (see the module docstring)."""
+        return self.score(k, v, attn, pos, budget=budget, **{**dict(self.defaults), **hyper})
+
+
+POLICIES: dict[str, Policy] = {}
+
+
+def register(policy: Policy) -> Policy:
+    """Add a policy to the registry under its name (new policies are one function away)."""
+    POLICIES[policy.name] = policy
+    return policy
+
+
+for _p in (
+    Policy("dense", None),
+    Policy("valuediff", valuediff),
+    Policy("valuediff_dir", valuediff_dir),
+    Policy("valuediff_norm", valuediff_norm),
+    Policy("keydiff", keydiff),
+    Policy("keynorm", keynorm),
+    Policy("manifoldkv", manifoldkv),
+    Policy("streaming", streaming, (("n_sink", 4),)),
+    Policy("tova", tova, (("per_kv_head", False),), needs_attention=True),
+    Policy("snapkv", snapkv, (("kernel", 7), ("window", 32)), needs_attention=True),
+    Policy("h2o", h2o, (("n_recent", None),), needs_attention=True, accumulates=True),
+    Policy("fastcaote", fastcaote, needs_attention=True),
+):
+    register(_p)
+
+
+# ---- composition ----------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _ProtectSinks:
+    base: Policy
+    n: int
+
+    def __call__(self, k, v, attn, pos, **kw):
+        return jnp.where((pos >= 0) & (pos < self.n), _INF, self.base.score(k, v, attn, pos, **kw))
+
+
+@dataclasses.dataclass(frozen=True)
+class _ProtectRecent:
+    base: Policy
+    n: int
+
+    def __call__(self, k, v, attn, pos, **kw):
+        return jnp.where(_recent(pos, attn, self.n), _INF, self.base.score(k, v, attn, pos, **kw))
+
+
+def _standardize(s: jax.Array, valid: jax.Array) -> jax.Array:
+    """Z-score [B, K, C] over the valid finite entries of each head; +inf (protected) stays +inf."""
+    finite = valid & jnp.isfinite(s)
+    n = jnp.maximum(jnp.sum(finite, axis=-1, keepdims=True), 1)
+    x = jnp.where(finite, s, 0.0)
+    mean = jnp.sum(x, axis=-1, keepdims=True) / n
+    var = jnp.sum(jnp.where(finite, (x - mean) ** 2, 0.0), axis=-1, keepdims=True) / n
+    return jnp.where(finite, (x - mean) / jnp.sqrt(var + _EPS), s)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Combined:
+    parts: tuple[tuple[Policy, float], ...]
+
+    def __call__(self, k, v, attn, pos, **kw):
+        valid = valid_mask(pos)
+        total = 0.0
+        for policy, weight in self.parts:
+            own = {name: kw[name] for name, _ in policy.defaults if name in kw}
+            total = total + weight * _standardize(policy(k, v, attn, pos, budget=kw["budget"], **own), valid)
+        return total
+
+
+def protect_sinks(policy: Policy | str, n: int = 4) -> Policy:
+    """`policy` with the first `n` positions always kept."""
+    base = get_policy(policy)
+    return dataclasses.replace(base, name=f"{base.name}+sinks{n}", score=_ProtectSinks(base, n))
+
+
+def protect_recent(policy: Policy | str, n: int) -> Policy:
+    """`policy` with the `n` most recent positions always kept."""
+    base = get_policy(policy)
+    return dataclasses.replace(base, name=f"{base.name}+recent{n}", score=_ProtectRecent(base, n))
+
+
+def combine(weights: Mapping[Policy | str, float], name: str | None = None) -> Policy:
+    """Weighted sum of per-head standardised scores of several policies (protected tokens stay protected)."""
+    parts = tuple((get_policy(p), float(w)) for p, w in weights.items())
+    if not parts or any(p.is_dense for p, _ in parts):
+        raise ValueError(f"combine needs one or more non-dense policies, got {list(weights)}")
+    defaults = tuple(sorted({kv for p, _ in parts for kv in p.defaults}))
+    return Policy(
+        name or "+".join(f"{w:g}*{p.name}" for p, w in parts),
+        _Combined(parts),
+        defaults,
+        needs_attention=any(p.needs_attention for p, _ in parts),
+        accumulates=any(p.accumulates for p, _ in parts),
+    )
+
+
+_SUFFIX = re.compile(r"\+(sinks|recent)(\d+)$")
+
+
+def get_policy(policy: Policy | str) -> Policy:
+    """A Policy object, or a registered name with optional `+sinksN` / `+recentN` suffixes."""
+    if isinstance(policy, Policy):
+        return policy
+    if not isinstance(policy, str):
+        raise TypeError(f"policy must be a name or a Policy, got {type(policy).__name__}: {policy!r}")
+    m = _SUFFIX.search(policy)
+    if m:
+        base = get_policy(policy[: m.start()])
+        return (protect_sinks if m.group(1) == "sinks" else protect_recent)(base, int(m.group(2)))
+    if policy not in POLICIES:
+        raise ValueError(
+            f"unknown policy {policy!r}; registered: {sorted(POLICIES)} "
+            "(suffix '+sinksN' or '+recentN' protects the first/last N positions)"
+        )
+    return POLICIES[policy]
