@@ -14,7 +14,7 @@ def smollm2_dir(tmp_path_factory) -> Path:
 
     source = registry.REGISTRY["smollm2-135m"]
     if importlib.util.find_spec(source.package) is None:
-        pytest.skip(f"needs {source.package}: `{source.pip}`")
+        pytest.fail(f"needs {source.package}: `{source.pip}` (.ci/install installs it)")
     if os.environ.get("VDJAX_CACHE"):
         return registry.resolve("smollm2-135m")
     with pytest.MonkeyPatch.context() as mp:

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vdjax.cache import KVCache, block_destinations, keep_mask, scatter_slots, single_destination
+from vdjax.cache import KVCache, LayerCache, block_destinations, keep_mask, scatter_slots, single_destination
 from vdjax.models import transformer as tf
 from vdjax.models.params import Params
 from vdjax.policies import AttnInfo, Policy, get_policy
@@ -49,30 +49,25 @@ def _layer_constants(cfg):
     return inv, jnp.asarray(win, jnp.int32)
 
 
-def _evict_layer(policy: Policy, hyper, cache: KVCache, l, lc, k_new, v_new, probs, q_pos, window):
-    """Score the layer's N + S candidates and write the survivors back into `cache` (slot replacement)."""
+def _evict_layer(policy: Policy, hyper, lc: LayerCache, k_new, v_new, probs, q_pos, window) -> LayerCache:
+    """Score one layer's N + S candidates and return its new cache (survivors overwrite evicted slots)."""
     b, kh, s, _ = k_new.shape
-    n = cache.budget
+    n = lc.pos.shape[-1]
     new_pos = jnp.broadcast_to(q_pos[:, None, :], (b, kh, s))  # [B, K, S]
-    bi, hi = jnp.arange(b)[:, None, None], jnp.arange(kh)[None, :, None]
 
     if policy.is_dense:  # the cache is indexed by position: slot = absolute position
         dest = jnp.where(new_pos >= 0, new_pos, n)
-        return dataclasses.replace(
-            cache,
-            k=cache.k.at[l, bi, hi, dest].set(k_new, mode="drop"),
-            v=cache.v.at[l, bi, hi, dest].set(v_new, mode="drop"),
-            pos=cache.pos.at[l, bi, hi, dest].set(new_pos, mode="drop"),
-        )
+        return LayerCache(scatter_slots(lc.k, dest, k_new), scatter_slots(lc.v, dest, v_new),
+                          scatter_slots(lc.pos, dest, new_pos), lc.acc)
 
     last_pos = jnp.max(q_pos, axis=1)[:, None, None]  # [B, 1, 1]
     cand_pos = jnp.concatenate([lc.pos, new_pos], axis=-1)  # [B, K, C]
     # sliding layers: a token no future query can see is dead -> treated as empty (dropped, never kept)
     cand_pos = jnp.where(last_pos + 1 - cand_pos >= window, -1, cand_pos)
-    valid_q = (q_pos >= 0).astype(jnp.float32)[:, None, None, :, None]  # [B, 1, 1, S, 1]
     acc = jnp.concatenate([lc.acc, jnp.zeros((b, kh, s), jnp.float32)], axis=-1)
     if policy.accumulates:
-        acc = acc + jnp.sum(jnp.mean(probs, axis=2)[:, :, None] * valid_q, axis=(2, 3))
+        valid_q = (q_pos >= 0).astype(jnp.float32)[:, None, :, None]  # [B, 1, S, 1]
+        acc = acc + jnp.sum(jnp.mean(probs, axis=2) * valid_q, axis=2)
     attn = AttnInfo(probs=probs, q_pos=q_pos, acc=acc)
     cand_k = jnp.concatenate([lc.k, k_new], axis=2)  # [B, K, C, D]
     cand_v = jnp.concatenate([lc.v, v_new], axis=2)
@@ -87,13 +82,8 @@ def _evict_layer(policy: Policy, hyper, cache: KVCache, l, lc, k_new, v_new, pro
         keep = keep_mask(scores, cand_pos, n)
         old_pos, dest = block_destinations(keep, cand_pos, n)
         old_acc = jnp.where(old_pos >= 0, acc[..., :n], 0.0)
-    return dataclasses.replace(
-        cache,
-        k=cache.k.at[l, bi, hi, dest].set(k_new, mode="drop"),
-        v=cache.v.at[l, bi, hi, dest].set(v_new, mode="drop"),
-        pos=cache.pos.at[l].set(scatter_slots(old_pos, dest, new_pos)),
-        acc=cache.acc.at[l].set(scatter_slots(old_acc, dest, acc[..., n:])),
-    )
+    return LayerCache(scatter_slots(lc.k, dest, k_new), scatter_slots(lc.v, dest, v_new),
+                      scatter_slots(old_pos, dest, new_pos), scatter_slots(old_acc, dest, acc[..., n:]))
 
 
 def _run_layers(params: Params, policy: Policy, hyper, cache: KVCache, x, q_pos):
@@ -101,17 +91,14 @@ def _run_layers(params: Params, policy: Policy, hyper, cache: KVCache, x, q_pos)
     cfg = params.config
     inv_freq, windows = _layer_constants(cfg)
 
-    def body(carry, xs):
-        x, cache = carry
-        lw, l, inv, window = xs
-        lc = cache.layer(l)
+    def body(x, xs):
+        lw, lc, inv, window = xs
         x, k_new, v_new, probs = tf.layer_forward(lw, x, q_pos, lc.k, lc.v, lc.pos, cfg, inv, window)
-        cache = _evict_layer(policy, hyper, cache, l, lc, k_new, v_new, probs, q_pos, window)
-        return (x, cache), None
+        return x, _evict_layer(policy, hyper, lc, k_new, v_new, probs, q_pos, window)
 
-    layers = jnp.arange(cfg.num_layers)
-    (x, cache), _ = jax.lax.scan(body, (x, cache), (params.weights["layers"], layers, inv_freq, windows))
-    return x, cache
+    layer_caches = LayerCache(cache.k, cache.v, cache.pos, cache.acc)  # stacked on [L]
+    x, new = jax.lax.scan(body, x, (params.weights["layers"], layer_caches, inv_freq, windows))
+    return x, KVCache(new.k, new.v, new.pos, new.acc)
 
 
 @functools.partial(jax.jit, static_argnames=("policy", "hyper", "slots", "block"))

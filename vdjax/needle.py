@@ -1,0 +1,91 @@
+"""RULER-style single-needle prompts: a 7-digit "magic number" hidden in a repeated noise haystack.
+
+    p = needle_prompt(tokenizer, length=2048, depth=0.5, seed=0)
+    out = vdjax.generate(params, p.ids, budget=512)
+    is_correct(tokenizer.decode(out[0]), p.answer)
+
+The prompt is sized with the model's own tokenizer (binary search on the number of haystack sentences) so
+the templated prompt is as close to `length` tokens as the sentence granularity allows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+NOISE = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")
+NEEDLE = "One of the special magic numbers for {key} is: {value}."
+INSTRUCTION = ("Some special magic numbers are hidden within the following text. Make sure to memorize it. "
+               "I will quiz you about the numbers afterwards.")
+QUESTION = "What is the special magic number for {key} mentioned in the provided text?"
+ANSWER_PREFIX = "The special magic number for {key} mentioned in the provided text is"
+
+_ADJECTIVES = ("dazzling", "quiet", "ancient", "bright", "curious", "gentle", "hollow", "jolly", "lucky", "mighty",
+               "nimble", "proud", "rapid", "silent", "tender", "vivid", "wandering", "zealous", "amber", "frosty")
+_NOUNS = ("ocean", "forest", "comet", "harbor", "lantern", "meadow", "falcon", "glacier", "canyon", "orchard",
+          "river", "summit", "thunder", "willow", "pebble", "island", "compass", "ember", "violet", "badger")
+
+
+@dataclasses.dataclass(frozen=True)
+class NeedlePrompt:
+    """One needle prompt: token ids, rendered text, the needle's key and answer, its depth, the token count."""
+
+    ids: list[int]
+    text: str
+    key: str
+    answer: str
+    depth: float
+    n_tokens: int
+
+
+def has_chat_template(tokenizer) -> bool:
+    """True when the tokenizer carries a chat template."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def format_prompt(tokenizer, content: str, chat: bool = True, answer_prefix: str = "") -> tuple[str, list[int]]:
+    """(text, ids) of a user message: chat-templated with a generation prompt, or plain text + answer_prefix."""
+    if chat and has_chat_template(tokenizer):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                             add_generation_prompt=True)
+        return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    text = f"{content}\n{answer_prefix}" if answer_prefix else content
+    return text, list(tokenizer(text)["input_ids"])
+
+
+def haystack(n_sentences: int, needle: str, depth: float) -> str:
+    """n noise sentences (cycling through NOISE) with the needle inserted at fraction `depth` of them."""
+    sentences = [NOISE[i % len(NOISE)] for i in range(n_sentences)]
+    sentences.insert(round(depth * n_sentences), needle)
+    return " ".join(sentences)
+
+
+def needle_prompt(tokenizer, length: int = 2048, depth: float = 0.5, seed: int = 0, chat: bool = True,
+                  key: str | None = None) -> NeedlePrompt:
+    """A seeded single-needle prompt whose templated token count is as close to `length` as possible."""
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must be in [0, 1], got {depth!r}")
+    rng = random.Random(seed)
+    key = key or f"{rng.choice(_ADJECTIVES)}-{rng.choice(_NOUNS)}"
+    value = str(rng.randint(1_000_000, 9_999_999))
+    needle = NEEDLE.format(key=key, value=value)
+    use_chat = chat and has_chat_template(tokenizer)
+    prefix = "" if use_chat else "Answer: " + ANSWER_PREFIX.format(key=key)
+
+    def build(n: int) -> tuple[str, list[int]]:
+        content = f"{INSTRUCTION}\n{haystack(n, needle, depth)}\n{QUESTION.format(key=key)}"
+        return format_prompt(tokenizer, content, use_chat, prefix)
+
+    lo, hi = 0, 1  # find the largest n with len(build(n)) <= length (lengths grow with n)
+    while len(build(hi)[1]) <= length:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if len(build(mid)[1]) <= length else (lo, mid)
+    text, ids = min((build(lo), build(hi)), key=lambda b: abs(len(b[1]) - length))
+    return NeedlePrompt(ids, text, key, value, depth, len(ids))
+
+
+def is_correct(answer_text: str, value: str) -> bool:
+    """True when the needle's value appears in the decoded answer."""
+    return str(value) in answer_text
