@@ -60,5 +60,9 @@ def load_params(path: str | Path) -> Params:
         meta = checkpointer.metadata(path / WEIGHTS_DIR)
         tree = getattr(meta, "item_metadata", meta)  # orbax >= 0.11 wraps the tree metadata
         abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree)
-        weights = checkpointer.restore(path / WEIGHTS_DIR, abstract)
+        weights = dict(checkpointer.restore(path / WEIGHTS_DIR, abstract))
+    layers = weights.get("layers", ())
+    if isinstance(layers, dict):  # a tuple may come back keyed by index
+        layers = [layers[k] for k in sorted(layers, key=int)]
+    weights["layers"] = tuple(dict(layer) for layer in layers)
     return Params(weights=weights, config=cfg)

@@ -2,7 +2,7 @@
 
 A table row is `(pattern, target, transform)`:
   - `pattern` is an HF tensor name, `{i}` standing for the layer (`model.layers.{i}.mlp.up_proj.weight`);
-  - `target` is a path in the weights dict (`"layers.w_up"`, stacked on a leading [L] axis, or `"embed"`), or
+  - `target` is a path in the weights dict (`"layers.w_up"`, one array per layer in `weights["layers"][i]`, or `"embed"`), or
     None for keys that carry no weights and are skipped on purpose (`rotary_emb.inv_freq`);
   - `transform(w, cfg)` maps the HF tensor to vdjax's layout. It only uses `.T` / `.reshape`, so it runs on
     NumPy arrays and, through `jax.eval_shape`, on shapes alone.
@@ -261,10 +261,12 @@ def load_weights(
         if None in by_layer:  # a global weight
             key, fn = by_layer[None]
             _set(weights, target, jnp.asarray(fn(_read(headers[key][0], key).astype(dtype), cfg)))
-        else:  # one tensor per layer, stacked: [L, ...]
-            parts = [fn(_read(headers[key][0], key).astype(dtype), cfg) for key, fn in
-                     (by_layer[i] for i in range(cfg.num_layers))]
-            _set(weights, target, jnp.asarray(np.stack(parts)))
+        else:  # one tensor per layer: weights["layers"][i][name]
+            layers = weights.setdefault("layers", [{} for _ in range(cfg.num_layers)])
+            for i in range(cfg.num_layers):
+                key, fn = by_layer[i]
+                layers[i][target.split(".", 1)[1]] = jnp.asarray(fn(_read(headers[key][0], key).astype(dtype), cfg))
+    weights["layers"] = tuple(weights.get("layers", ()))
     return weights
 
 

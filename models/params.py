@@ -12,14 +12,15 @@ from vdjax.models.config import ModelConfig
 
 @flax.struct.dataclass
 class Params:
-    """Model weights (a dict pytree, layer weights stacked on a leading [L] axis) carrying their config.
+    """Model weights (a dict pytree, one dict per layer) carrying their config.
 
     weights = {
       "embed": [V, H], "final_norm": [H], "lm_head": [V, H] (absent when embeddings are tied),
-      "layers": {"attn_norm": [L, H], "wq": [L, H, Nq, D], "wk": [L, H, K, D], "wv": [L, H, K, D],
-                 "wo": [L, Nq, D, H], "mlp_norm": [L, H], "w_gate": [L, H, F], "w_up": [L, H, F],
-                 "w_down": [L, F, H]},
+      "layers": ({"attn_norm": [H], "wq": [H, Nq, D], "wk": [H, K, D], "wv": [H, K, D], "wo": [Nq, D, H],
+                  "mlp_norm": [H], "w_gate": [H, F], "w_up": [H, F], "w_down": [F, H]}, ...)  # L dicts
     }
+    Layers are separate arrays, not stacked on an [L] axis: XLA on CPU copies a layer's slice of a stacked
+    array before each matmul, which doubles the weight traffic of a decode step.
     """
 
     weights: dict[str, Any]

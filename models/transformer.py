@@ -144,7 +144,8 @@ def layer_forward(
     q, k, v = project_qkv(lw, h, q_pos, cfg, inv_freq)
     k_new, v_new = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, S, D]
     o, probs = attend(q, q_pos, k_cache, v_cache, pos_cache, k_new, v_new, cfg, window)
-    x = x + jnp.einsum("bsnd,ndh->bsh", o, lw["wo"])
+    b, s, nq, d = o.shape  # flatten heads so XLA transposes the small activation, not the weight
+    x = x + jnp.einsum("bsx,xh->bsh", o.reshape(b, s, nq * d), lw["wo"].reshape(nq * d, -1))
     x = x + mlp(lw, rms_norm(x, lw["mlp_norm"], eps, off), cfg)
     return x, k_new, v_new, probs
 
@@ -160,9 +161,10 @@ def final_logits(params: Params, x: jax.Array) -> jax.Array:
     return logits
 
 
-def layer_inv_freqs(cfg: ModelConfig) -> np.ndarray:
-    """Per-layer inverse RoPE frequencies [L, D/2]."""
-    return np.stack([rope_inv_freq(cfg) for _ in range(cfg.num_layers)])
+def layer_settings(cfg: ModelConfig, layer: int) -> tuple[np.ndarray, int | None]:
+    """(inverse RoPE frequencies [D/2], sliding window or None) of one layer."""
+    sliding = cfg.layer_types[layer] == "sliding_attention" and cfg.sliding_window
+    return rope_inv_freq(cfg), (cfg.sliding_window if sliding else None)
 
 
 def forward(params: Params, ids: jax.Array) -> jax.Array:
@@ -173,10 +175,8 @@ def forward(params: Params, ids: jax.Array) -> jax.Array:
     empty_kv = jnp.zeros((b, cfg.num_kv_heads, 0, cfg.head_dim), params.dtype)
     empty_pos = jnp.zeros((b, cfg.num_kv_heads, 0), jnp.int32)
 
-    def body(x, layer):
-        lw, inv_freq = layer
-        x, _, _, _ = layer_forward(lw, x, pos, empty_kv, empty_kv, empty_pos, cfg, inv_freq)
-        return x, None
-
-    x, _ = jax.lax.scan(body, embed(params, ids), (params.weights["layers"], jnp.asarray(layer_inv_freqs(cfg))))
+    x = embed(params, ids)
+    for i, lw in enumerate(params.weights["layers"]):
+        inv_freq, window = layer_settings(cfg, i)
+        x, _, _, _ = layer_forward(lw, x, pos, empty_kv, empty_kv, empty_pos, cfg, jnp.asarray(inv_freq), window)
     return final_logits(params, x)

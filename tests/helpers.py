@@ -25,8 +25,10 @@ def random_params(cfg: ModelConfig, seed: int = 0, scale: float = 0.3) -> Params
     def r(*shape):
         return jnp.asarray(rng.randn(*shape).astype(np.float32) * scale)
 
-    layers = dict(attn_norm=1 + r(L, H) * 0.3, mlp_norm=1 + r(L, H) * 0.3, wq=r(L, H, Nq, D), wk=r(L, H, K, D),
-                  wv=r(L, H, K, D), wo=r(L, Nq, D, H), w_gate=r(L, H, F), w_up=r(L, H, F), w_down=r(L, F, H))
+    layers = tuple(
+        dict(attn_norm=1 + r(H) * 0.3, mlp_norm=1 + r(H) * 0.3, wq=r(H, Nq, D), wk=r(H, K, D), wv=r(H, K, D),
+             wo=r(Nq, D, H), w_gate=r(H, F), w_up=r(H, F), w_down=r(F, H))
+        for _ in range(L))
     w = dict(embed=r(V, H) * 3, final_norm=1 + r(H) * 0.3, layers=layers)
     if not cfg.tie_embeddings:
         w["lm_head"] = r(V, H)
@@ -43,7 +45,7 @@ def layer0_kv(params: Params, ids: np.ndarray):
     from vdjax.models import transformer as tf
 
     cfg = params.config
-    lw = jax.tree.map(lambda x: x[0], params.weights["layers"])
+    lw = params.weights["layers"][0]
     x = tf.embed(params, jnp.asarray(ids)[None])
     h = tf.rms_norm(x, lw["attn_norm"], cfg.rms_norm_eps, cfg.norm_offset)
     pos = jnp.arange(len(ids))[None]

@@ -55,15 +55,15 @@ def _assert_llama_layout(params, sd, layers, tied):
     L = w["layers"]
     for i in range(layers):
         p = f"model.layers.{i}."
-        np.testing.assert_array_equal(L["attn_norm"][i], sd[p + "input_layernorm.weight"])
-        np.testing.assert_array_equal(L["mlp_norm"][i], sd[p + "post_attention_layernorm.weight"])
+        np.testing.assert_array_equal(L[i]["attn_norm"], sd[p + "input_layernorm.weight"])
+        np.testing.assert_array_equal(L[i]["mlp_norm"], sd[p + "post_attention_layernorm.weight"])
         for name in "qkv":
             w_hf = sd[p + f"self_attn.{name}_proj.weight"]  # [N*D, H]
-            np.testing.assert_array_equal(np.reshape(L[f"w{name}"][i], (H, -1)), w_hf.T)  # [H, N*D]
-        np.testing.assert_array_equal(np.reshape(L["wo"][i], (-1, H)), sd[p + "self_attn.o_proj.weight"].T)
-        np.testing.assert_array_equal(L["w_gate"][i], sd[p + "mlp.gate_proj.weight"].T)  # [H, F]
-        np.testing.assert_array_equal(L["w_up"][i], sd[p + "mlp.up_proj.weight"].T)
-        np.testing.assert_array_equal(L["w_down"][i], sd[p + "mlp.down_proj.weight"].T)  # [F, H]
+            np.testing.assert_array_equal(np.reshape(L[i][f"w{name}"], (H, -1)), w_hf.T)  # [H, N*D]
+        np.testing.assert_array_equal(np.reshape(L[i]["wo"], (-1, H)), sd[p + "self_attn.o_proj.weight"].T)
+        np.testing.assert_array_equal(L[i]["w_gate"], sd[p + "mlp.gate_proj.weight"].T)  # [H, F]
+        np.testing.assert_array_equal(L[i]["w_up"], sd[p + "mlp.up_proj.weight"].T)
+        np.testing.assert_array_equal(L[i]["w_down"], sd[p + "mlp.down_proj.weight"].T)  # [F, H]
 
 
 @pytest.mark.parametrize(
@@ -77,9 +77,10 @@ def test_llama_layout(tmp_path, heads, kv_heads, layers, tied):
     cfg = params.config
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers, cfg.tie_embeddings) == (
         heads, kv_heads, D, layers, tied)
-    shapes = jax.tree.map(lambda x: x.shape, params.weights["layers"])
-    assert shapes["wq"] == (layers, H, heads, D) and shapes["wk"] == (layers, H, kv_heads, D)
-    assert shapes["wo"] == (layers, heads, D, H) and shapes["w_down"] == (layers, F, H)
+    assert isinstance(params.weights["layers"], tuple) and len(params.weights["layers"]) == layers
+    shapes = jax.tree.map(lambda x: x.shape, params.weights["layers"][-1])
+    assert shapes["wq"] == (H, heads, D) and shapes["wk"] == (H, kv_heads, D)
+    assert shapes["wo"] == (heads, D, H) and shapes["w_down"] == (F, H)
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params.weights))
     _assert_llama_layout(params, sd, layers, tied)
 
@@ -171,11 +172,11 @@ def test_new_family_is_only_table_rows(tmp_path):
         weights = hf.load_weights(tmp_path / str(n), cfg, hf.LLAMA_ROWS + rows)
         for i in range(2):
             for proj, target in (("q", "bq"), ("k", "bk"), ("v", "bv"), ("q", "q_norm"), ("k", "k_norm")):
-                if target in weights["layers"]:
+                if target in weights["layers"][i]:
                     name = f"{proj}_proj.bias" if target[0] == "b" else f"{target}.weight"
                     key = f"model.layers.{i}.self_attn.{name}"
-                    np.testing.assert_array_equal(np.reshape(weights["layers"][target][i], -1), sd[key])
-        assert set(weights["layers"]) >= ({"bq", "bk", "bv"} if n == 0 else {"q_norm", "k_norm"})
+                    np.testing.assert_array_equal(np.reshape(weights["layers"][i][target], -1), sd[key])
+        assert set(weights["layers"][0]) >= ({"bq", "bk", "bv"} if n == 0 else {"q_norm", "k_norm"})
         with pytest.raises(ValueError, match="unexpected keys"):  # the Llama table alone refuses them
             hf.load_weights(tmp_path / str(n), cfg, hf.LLAMA_ROWS)
 
@@ -234,11 +235,11 @@ def test_smollm2_from_registry(smollm2_dir, monkeypatch):
     got = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size)
     assert got == (30, 576, 9, 3, 64, 49152)
     assert cfg.tie_embeddings and "lm_head" not in params.weights and cfg.rope_theta == 1e5
-    assert params.weights["layers"]["wq"].shape == (30, 576, 9, 64)
+    assert params.weights["layers"][0]["wq"].shape == (576, 9, 64) and len(params.weights["layers"]) == 30
     sd = load_file(smollm2_dir / hf.SINGLE_FILE)
     np.testing.assert_array_equal(params.weights["embed"], sd["model.embed_tokens.weight"])
     wk = sd["model.layers.29.self_attn.k_proj.weight"]  # [K*D, H]
-    np.testing.assert_array_equal(params.weights["layers"]["wk"][29], wk.T.reshape(576, 3, 64))
+    np.testing.assert_array_equal(params.weights["layers"][29]["wk"], wk.T.reshape(576, 3, 64))
 
     tok = registry.load_tokenizer("smollm2-135m")
     assert tok.chat_template and "<|im_start|>" in tok.apply_chat_template(

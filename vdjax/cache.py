@@ -27,45 +27,70 @@ class LayerCache:
 
 @flax.struct.dataclass
 class KVCache:
-    """All layers' caches stacked on a leading [L] axis; `cache[i]` / `cache.layer(i)` gives one layer."""
+    """All layers' caches, one `LayerCache` per layer; `cache[i]` / `cache.layer(i)` gives one layer.
 
-    k: jax.Array  # [L, B, K, N, D]
-    v: jax.Array  # [L, B, K, N, D]
-    pos: jax.Array  # [L, B, K, N] int32
-    acc: jax.Array  # [L, B, K, N] fp32
+    `k`, `v`, `pos`, `acc` stack the layers ([L, B, K, N, ...]) for inspection; they copy, so use them
+    outside hot loops.
+    """
+
+    layers: tuple[LayerCache, ...]
 
     @classmethod
     def empty(cls, num_layers, batch, kv_heads, slots, head_dim, dtype) -> "KVCache":
-        """An empty cache of `slots` slots per head."""
-        shape = (num_layers, batch, kv_heads, slots)
-        return cls(
-            k=jnp.zeros(shape + (head_dim,), dtype),
-            v=jnp.zeros(shape + (head_dim,), dtype),
-            pos=jnp.full(shape, -1, jnp.int32),
-            acc=jnp.zeros(shape, jnp.float32),
-        )
+        """An empty cache of `slots` slots per head in every layer."""
+        shape = (batch, kv_heads, slots)
+
+        def one():
+            return LayerCache(
+                k=jnp.zeros(shape + (head_dim,), dtype),
+                v=jnp.zeros(shape + (head_dim,), dtype),
+                pos=jnp.full(shape, -1, jnp.int32),
+                acc=jnp.zeros(shape, jnp.float32),
+            )
+
+        return cls(tuple(one() for _ in range(num_layers)))
 
     @property
     def budget(self) -> int:
         """Slots per head (N)."""
-        return self.pos.shape[-1]
+        return self.layers[0].pos.shape[-1]
 
     def __len__(self) -> int:
-        return self.pos.shape[0]
+        return len(self.layers)
 
     def layer(self, i: int) -> LayerCache:
         """One layer's cache."""
-        return LayerCache(self.k[i], self.v[i], self.pos[i], self.acc[i])
+        return self.layers[i]
 
     __getitem__ = layer
 
+    @property
+    def k(self) -> jax.Array:
+        """Keys of all layers [L, B, K, N, D]."""
+        return jnp.stack([c.k for c in self.layers])
+
+    @property
+    def v(self) -> jax.Array:
+        """Values of all layers [L, B, K, N, D]."""
+        return jnp.stack([c.v for c in self.layers])
+
+    @property
+    def pos(self) -> jax.Array:
+        """Slot positions of all layers [L, B, K, N] (-1 empty)."""
+        return jnp.stack([c.pos for c in self.layers])
+
+    @property
+    def acc(self) -> jax.Array:
+        """Accumulated attention of all layers [L, B, K, N]."""
+        return jnp.stack([c.acc for c in self.layers])
+
     def valid_counts(self):
         """Valid slots per layer, row and head: [L, B, K]."""
-        return jnp.sum(self.pos >= 0, axis=-1)
+        return jnp.stack([jnp.sum(c.pos >= 0, axis=-1) for c in self.layers])
 
     def nbytes(self) -> int:
         """Bytes held by the cache arrays."""
-        return sum(x.nbytes for x in (self.k, self.v, self.pos, self.acc))
+        return sum(x.nbytes for x in jax.tree.leaves(self.layers))
 
 
 def rank_keys(scores: jax.Array, pos: jax.Array) -> jax.Array:

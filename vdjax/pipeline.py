@@ -1,7 +1,7 @@
 """True block prompt processing and per-step decode eviction, each one jit-compiled program.
 
-Prefill: `lax.scan` over blocks of S tokens with a fixed-shape carry (the KV cache); inside each block a
-`lax.scan` over layers: attend from the block to the layer's N cache slots + the block, score the N + S
+Prefill: `lax.scan` over blocks of S tokens with a fixed-shape carry (the KV cache); inside each block the
+layers run in turn (unrolled): attend from the block to the layer's N cache slots + the block, score the N + S
 candidates with the policy, keep the top N (new survivors overwrite the evicted slots; nothing else moves).
 Decode: a `lax.while_loop` doing the same with one token per step.
 
@@ -27,9 +27,6 @@ from vdjax.models.params import Params
 from vdjax.policies import AttnInfo, Policy, get_policy
 from vdjax.sampling import check_sampling, sample
 
-_NO_WINDOW = 1 << 30
-
-
 def bucket(n: int) -> int:
     """Smallest value of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (at most 1.5x apart) that is >= n."""
     p = 1
@@ -41,29 +38,24 @@ def bucket(n: int) -> int:
         p *= 2
 
 
-def _layer_constants(cfg):
-    """Per-layer (inverse RoPE frequencies [L, D/2], sliding window [L]) as arrays."""
-    inv = jnp.asarray(tf.layer_inv_freqs(cfg))
-    win = [cfg.sliding_window if t == "sliding_attention" and cfg.sliding_window else _NO_WINDOW
-           for t in cfg.layer_types]
-    return inv, jnp.asarray(win, jnp.int32)
+def _eviction_plan(policy: Policy, hyper, lc: LayerCache, k_new, v_new, probs, q_pos, window):
+    """Score one layer's N + S candidates; return (dest [B, K, S], new pos [B, K, N], new acc [B, K, N]).
 
-
-def _evict_layer(policy: Policy, hyper, lc: LayerCache, k_new, v_new, probs, q_pos, window) -> LayerCache:
-    """Score one layer's N + S candidates and return its new cache (survivors overwrite evicted slots)."""
+    dest is the slot each new token is written to (N = not kept); survivors never move, so applying the plan
+    writes only the S new rows of k and v.
+    """
     b, kh, s, _ = k_new.shape
     n = lc.pos.shape[-1]
     new_pos = jnp.broadcast_to(q_pos[:, None, :], (b, kh, s))  # [B, K, S]
 
     if policy.is_dense:  # the cache is indexed by position: slot = absolute position
         dest = jnp.where(new_pos >= 0, new_pos, n)
-        return LayerCache(scatter_slots(lc.k, dest, k_new), scatter_slots(lc.v, dest, v_new),
-                          scatter_slots(lc.pos, dest, new_pos), lc.acc)
+        return dest, scatter_slots(lc.pos, dest, new_pos), lc.acc
 
     last_pos = jnp.max(q_pos, axis=1)[:, None, None]  # [B, 1, 1]
     cand_pos = jnp.concatenate([lc.pos, new_pos], axis=-1)  # [B, K, C]
-    # sliding layers: a token no future query can see is dead -> treated as empty (dropped, never kept)
-    cand_pos = jnp.where(last_pos + 1 - cand_pos >= window, -1, cand_pos)
+    if window is not None:  # sliding layer: a token no future query can see is dead -> empty (never kept)
+        cand_pos = jnp.where(last_pos + 1 - cand_pos >= window, -1, cand_pos)
     acc = jnp.concatenate([lc.acc, jnp.zeros((b, kh, s), jnp.float32)], axis=-1)
     if policy.accumulates:
         valid_q = (q_pos >= 0).astype(jnp.float32)[:, None, :, None]  # [B, 1, S, 1]
@@ -82,23 +74,27 @@ def _evict_layer(policy: Policy, hyper, lc: LayerCache, k_new, v_new, probs, q_p
         keep = keep_mask(scores, cand_pos, n)
         old_pos, dest = block_destinations(keep, cand_pos, n)
         old_acc = jnp.where(old_pos >= 0, acc[..., :n], 0.0)
-    return LayerCache(scatter_slots(lc.k, dest, k_new), scatter_slots(lc.v, dest, v_new),
-                      scatter_slots(old_pos, dest, new_pos), scatter_slots(old_acc, dest, acc[..., n:]))
+    return dest, scatter_slots(old_pos, dest, new_pos), scatter_slots(old_acc, dest, acc[..., n:])
 
 
 def _run_layers(params: Params, policy: Policy, hyper, cache: KVCache, x, q_pos):
-    """All layers over one block x [B, S, H] at positions q_pos [B, S], evicting after each layer's attention."""
+    """All layers over one block x [B, S, H] at positions q_pos [B, S], evicting after each layer's attention.
+
+    Layers are unrolled (each has its own weight and cache buffers, so XLA reads weights in place and
+    writes only the new rows of each layer's cache).
+    """
     cfg = params.config
-    inv_freq, windows = _layer_constants(cfg)
-
-    def body(x, xs):
-        lw, lc, inv, window = xs
-        x, k_new, v_new, probs = tf.layer_forward(lw, x, q_pos, lc.k, lc.v, lc.pos, cfg, inv, window)
-        return x, _evict_layer(policy, hyper, lc, k_new, v_new, probs, q_pos, window)
-
-    layer_caches = LayerCache(cache.k, cache.v, cache.pos, cache.acc)  # stacked on [L]
-    x, new = jax.lax.scan(body, x, (params.weights["layers"], layer_caches, inv_freq, windows))
-    return x, KVCache(new.k, new.v, new.pos, new.acc)
+    new_layers = []
+    for i, (lw, lc) in enumerate(zip(params.weights["layers"], cache.layers)):
+        inv_freq, window = tf.layer_settings(cfg, i)
+        x, k_new, v_new, probs = tf.layer_forward(lw, x, q_pos, lc.k, lc.v, lc.pos, cfg, jnp.asarray(inv_freq),
+                                                  window)
+        dest, pos_l, acc_l = _eviction_plan(policy, hyper, lc, k_new, v_new, probs, q_pos, window)
+        # the writes wait for the layer output, i.e. for every read of the old slots: XLA can write in place
+        x, dest = jax.lax.optimization_barrier((x, dest))
+        new_layers.append(LayerCache(scatter_slots(lc.k, dest, k_new), scatter_slots(lc.v, dest, v_new),
+                                     pos_l, acc_l))
+    return x, KVCache(tuple(new_layers))
 
 
 @functools.partial(jax.jit, static_argnames=("policy", "hyper", "slots", "block"))
