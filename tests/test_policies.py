@@ -205,6 +205,8 @@ def test_policy_lookup_errors():
     assert vdjax.get_policy("streaming").hyper(n_sink=2) == (("n_sink", 2),)
     with pytest.raises(TypeError, match="policy must be"):
         vdjax.get_policy(3)
+    with pytest.raises(ValueError, match="protect_sinks needs an evicting policy, got 'dense'"):
+        vdjax.get_policy("dense+sinks4")
 
 
 def test_jit_equals_eager_scores():

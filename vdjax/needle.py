@@ -13,22 +13,70 @@ from __future__ import annotations
 import dataclasses
 import random
 
-NOISE = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")
+NOISE = (
+    "The grass is green.",
+    "The sky is blue.",
+    "The sun is yellow.",
+    "Here we go.",
+    "There and back again.",
+)
 NEEDLE = "One of the special magic numbers for {key} is: {value}."
-INSTRUCTION = ("Some special magic numbers are hidden within the following text. Make sure to memorize it. "
-               "I will quiz you about the numbers afterwards.")
+INSTRUCTION = (
+    "Some special magic numbers are hidden within the following text. Make sure to memorize it. "
+    "I will quiz you about the numbers afterwards."
+)
 QUESTION = "What is the special magic number for {key} mentioned in the provided text?"
 ANSWER_PREFIX = "The special magic number for {key} mentioned in the provided text is"
 
-_ADJECTIVES = ("dazzling", "quiet", "ancient", "bright", "curious", "gentle", "hollow", "jolly", "lucky", "mighty",
-               "nimble", "proud", "rapid", "silent", "tender", "vivid", "wandering", "zealous", "amber", "frosty")
-_NOUNS = ("ocean", "forest", "comet", "harbor", "lantern", "meadow", "falcon", "glacier", "canyon", "orchard",
-          "river", "summit", "thunder", "willow", "pebble", "island", "compass", "ember", "violet", "badger")
+_ADJECTIVES = (
+    "dazzling",
+    "quiet",
+    "ancient",
+    "bright",
+    "curious",
+    "gentle",
+    "hollow",
+    "jolly",
+    "lucky",
+    "mighty",
+    "nimble",
+    "proud",
+    "rapid",
+    "silent",
+    "tender",
+    "vivid",
+    "wandering",
+    "zealous",
+    "amber",
+    "frosty",
+)
+_NOUNS = (
+    "ocean",
+    "forest",
+    "comet",
+    "harbor",
+    "lantern",
+    "meadow",
+    "falcon",
+    "glacier",
+    "canyon",
+    "orchard",
+    "river",
+    "summit",
+    "thunder",
+    "willow",
+    "pebble",
+    "island",
+    "compass",
+    "ember",
+    "violet",
+    "badger",
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class NeedlePrompt:
-    """One needle prompt: token ids, rendered text, the needle's key and answer, its depth, the token count."""
+    """One needle prompt: token ids, rendered text, the key, the answer (value), depth, token count."""
 
     ids: list[int]
     text: str
@@ -43,13 +91,23 @@ def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def format_prompt(tokenizer, content: str, chat: bool = True, answer_prefix: str = "") -> tuple[str, list[int]]:
-    """(text, ids) of a user message: chat-templated with a generation prompt, or plain text + answer_prefix."""
+def format_prompt(
+    tokenizer, content: str, chat: bool = True, answer_prefix: str = ""
+) -> tuple[str, list[int]]:
+    """(text, ids) of a user message: chat-templated (generation prompt, then answer_prefix) or plain text.
+
+    Without a chat template (or with chat=False) the text is `content`, then "Answer: <answer_prefix>" on a
+    new line when a prefix is given.
+    """
     if chat and has_chat_template(tokenizer):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                             add_generation_prompt=True)
+        text = (
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+            )
+            + answer_prefix
+        )
         return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    text = f"{content}\n{answer_prefix}" if answer_prefix else content
+    text = f"{content}\nAnswer: {answer_prefix}" if answer_prefix else content
     return text, list(tokenizer(text)["input_ids"])
 
 
@@ -60,21 +118,30 @@ def haystack(n_sentences: int, needle: str, depth: float) -> str:
     return " ".join(sentences)
 
 
-def needle_prompt(tokenizer, length: int = 2048, depth: float = 0.5, seed: int = 0, chat: bool = True,
-                  key: str | None = None) -> NeedlePrompt:
-    """A seeded single-needle prompt whose templated token count is as close to `length` as possible."""
+def needle_prompt(
+    tokenizer,
+    length: int = 2048,
+    depth: float = 0.5,
+    seed: int = 0,
+    chat: bool = True,
+    answer_prefix: bool = True,
+) -> NeedlePrompt:
+    """A seeded single-needle prompt whose templated token count is as close to `length` as possible.
+
+    As in RULER, the answer prefix ("The special magic number for {key} ... is") ends the prompt, after the
+    assistant turn's start when the tokenizer has a chat template: the answer then begins with the number.
+    """
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be in [0, 1], got {depth!r}")
     rng = random.Random(seed)
-    key = key or f"{rng.choice(_ADJECTIVES)}-{rng.choice(_NOUNS)}"
+    key = f"{rng.choice(_ADJECTIVES)}-{rng.choice(_NOUNS)}"
     value = str(rng.randint(1_000_000, 9_999_999))
     needle = NEEDLE.format(key=key, value=value)
-    use_chat = chat and has_chat_template(tokenizer)
-    prefix = "" if use_chat else "Answer: " + ANSWER_PREFIX.format(key=key)
+    prefix = ANSWER_PREFIX.format(key=key) if answer_prefix else ""
 
     def build(n: int) -> tuple[str, list[int]]:
         content = f"{INSTRUCTION}\n{haystack(n, needle, depth)}\n{QUESTION.format(key=key)}"
-        return format_prompt(tokenizer, content, use_chat, prefix)
+        return format_prompt(tokenizer, content, chat, prefix)
 
     lo, hi = 0, 1  # find the largest n with len(build(n)) <= length (lengths grow with n)
     while len(build(hi)[1]) <= length:

@@ -260,15 +260,23 @@ class _Combined:
         return total
 
 
+def _evicting(policy: Policy | str, helper: str) -> Policy:
+    """The policy, refusing dense (which evicts nothing and has no score to protect)."""
+    base = get_policy(policy)
+    if base.is_dense:
+        raise ValueError(f"{helper} needs an evicting policy, got {base.name!r} (dense keeps everything)")
+    return base
+
+
 def protect_sinks(policy: Policy | str, n: int = 4) -> Policy:
     """`policy` with the first `n` positions always kept."""
-    base = get_policy(policy)
+    base = _evicting(policy, "protect_sinks")
     return dataclasses.replace(base, name=f"{base.name}+sinks{n}", score=_ProtectSinks(base, n))
 
 
 def protect_recent(policy: Policy | str, n: int) -> Policy:
     """`policy` with the `n` most recent positions always kept."""
-    base = get_policy(policy)
+    base = _evicting(policy, "protect_recent")
     return dataclasses.replace(base, name=f"{base.name}+recent{n}", score=_ProtectRecent(base, n))
 
 

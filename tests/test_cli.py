@@ -1,0 +1,234 @@
+"""The `vdjax` CLI and the needle prompt builder, on a tiny random Llama with a tiny trained tokenizer."""
+
+import re
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
+
+from vdjax.cli import main  # noqa: E402
+from vdjax.needle import ANSWER_PREFIX, INSTRUCTION, NEEDLE, NOISE, QUESTION, is_correct, needle_prompt  # noqa: E402
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _tokenizer(chat: bool = True):
+    """A byte-level BPE (any text encodes) trained on the haystack sentences, with ChatML specials."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    text = list(NOISE) + [
+        NEEDLE,
+        QUESTION,
+        INSTRUCTION,
+        ANSWER_PREFIX,
+        "What is the capital of France? Paris. The magic number.",
+    ]
+    tok.train_from_iterator(text * 20, trainer)
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHATML if chat else None,
+    )
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return _tokenizer()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory, tok):
+    """A 2-layer random LlamaForCausalLM saved with its tokenizer: an HF checkpoint folder for --model."""
+    path = tmp_path_factory.mktemp("tiny_llama")
+    cfg = transformers.LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("VDJAX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("VDJAX_COMPILE_CACHE", "0")  # no process-wide JAX setting leaks into other tests
+
+
+# ---- needle ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("length", [200, 333, 600])
+def test_needle_hits_length(tok, length):
+    p = needle_prompt(tok, length, seed=0)
+    assert abs(p.n_tokens - length) <= 6  # one haystack sentence is a few tokens
+    assert p.n_tokens == len(p.ids) == len(tok(p.text, add_special_tokens=False)["input_ids"])
+    assert p.text.count(NEEDLE.format(key=p.key, value=p.answer)) == 1
+    assert p.text.count(p.answer) == 1
+    assert p.text.startswith("<|im_start|>user\n") and "<|im_start|>assistant\n" in p.text
+    assert p.text.endswith(f"The special magic number for {p.key} mentioned in the provided text is")
+
+
+def test_needle_golden_and_seeded(tok):
+    p = needle_prompt(tok, 300, seed=0)
+    assert (p.key, p.answer) == ("rapid-willow", "1679215")  # golden for seed 0
+    assert re.fullmatch(r"\d{7}", p.answer)
+    assert needle_prompt(tok, 300, seed=0) == p
+    assert (needle_prompt(tok, 300, seed=1).key, needle_prompt(tok, 300, seed=1).answer) != (p.key, p.answer)
+
+
+def test_needle_depth_and_plain(tok):
+    needle = NEEDLE.split("{")[0]
+    early, late = needle_prompt(tok, 400, depth=0.0), needle_prompt(tok, 400, depth=1.0)
+    assert early.text.index(needle) < late.text.index(needle)
+    plain = needle_prompt(_tokenizer(chat=False), 400)
+    assert "<|im_start|>" not in plain.text
+    assert plain.text.endswith(
+        f"\nAnswer: The special magic number for {plain.key} mentioned in the provided text is"
+    )
+    with pytest.raises(ValueError, match="depth"):
+        needle_prompt(tok, 400, depth=1.5)
+
+
+def test_is_correct():
+    assert is_correct(" 1679215.", "1679215")
+    assert is_correct("The number is 1679215 indeed", "1679215")
+    assert not is_correct(" 167921", "1679215")
+    assert not is_correct("", "1679215")
+
+
+# ---- CLI ---------------------------------------------------------------------------------------------------
+def test_generate(tiny_model, capsys):
+    rc = main(
+        [
+            "generate",
+            "--model",
+            str(tiny_model),
+            "--policy",
+            "valuediff",
+            "--budget",
+            "16",
+            "--block-size",
+            "8",
+            "--max-new-tokens",
+            "5",
+            "--prompt",
+            "The grass is green. The sky is blue.",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert rc == 0
+    for label in (
+        "prompt tokens",
+        "budget N            16",
+        "valid slots/head    min 16, max 16",
+        "cache bytes",
+        "time to first token",
+        "decode",
+    ):
+        assert label in out, label
+
+
+def test_generate_dense_plain_file(tiny_model, tmp_path, capsys):
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("Here we go.")
+    rc = main(
+        [
+            "generate",
+            "--model",
+            str(tiny_model),
+            "--policy",
+            "dense",
+            "--no-chat",
+            "--prompt-file",
+            str(prompt),
+            "--max-new-tokens",
+            "3",
+            "--temperature",
+            "0.8",
+            "--top-k",
+            "5",
+            "--seed",
+            "1",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert rc == 0 and "dense" in out and "chat template" not in out
+
+
+def test_demo(tiny_model, capsys):
+    rc = main(
+        [
+            "demo",
+            "--model",
+            str(tiny_model),
+            "--length",
+            "200",
+            "--budget",
+            "64",
+            "--policies",
+            "dense,valuediff,streaming",
+            "--max-new-tokens",
+            "4",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "prompt 2" in out and "budget N=64" in out and "Total wall time" in out
+    for name, slots in (("dense", r"\d+/\d+"), ("valuediff", "64/64"), ("streaming", "64/64")):
+        assert re.search(rf"│ {re.escape(name)} +│.*│ +[✓✗] +│.*│ +{slots} │", out), (name, out)
+
+
+def test_empty_prompt(tiny_model, capsys):
+    assert (
+        main(["generate", "--model", str(tiny_model), "--policy", "dense", "--no-chat", "--prompt", ""]) == 2
+    )
+    assert "argument --prompt: ids must hold at least one token" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["generate", "--policy", "nope", "--budget", "4", "--prompt", "x"], "unknown policy 'nope'"),
+        (["generate", "--budget", "0", "--prompt", "x"], "argument --budget: must be an integer >= 1"),
+        (["generate", "--prompt", "x"], "argument --budget: policy 'valuediff' needs --budget"),
+        (
+            ["generate", "--budget", "4", "--prompt-file", "/no/such/file"],
+            "argument --prompt-file: no such file",
+        ),
+        (["generate", "--budget", "4", "--prompt", "x", "--policy-arg", "n_sink=2"], "argument --policy-arg"),
+        (["generate", "--budget", "4", "--prompt", "x", "--top-p", "0"], "argument --top-p"),
+        (["generate", "--budget", "4"], "one of the arguments --prompt --prompt-file is required"),
+        (["demo", "--policies", "dense,nope"], "argument --policies: unknown policy 'nope'"),
+        (["convert", "not-a-model"], "neither a .gguf file nor a registered model"),
+        (["convert", "/no/such/model.gguf"], "argument NAME_OR_GGUF: no such file"),
+        (["generate", "--model", "/no/such/dir", "--budget", "4", "--prompt", "x"], "argument --model"),
+    ],
+)
+def test_bad_arguments(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err, err

