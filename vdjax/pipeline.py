@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vdjax.cache import KVCache, LayerCache, block_destinations, keep_mask, scatter_slots, single_destination
+from vdjax.cache import (KVCache, LayerCache, block_destinations, keep_mask, scatter_slots, select_slots,
+                         single_destination)
 from vdjax.models import transformer as tf
 from vdjax.models.params import Params
 from vdjax.policies import AttnInfo, Policy, get_policy
@@ -92,7 +93,7 @@ def _run_layers(params: Params, policy: Policy, hyper, cache: KVCache, x, q_pos)
         dest, pos_l, acc_l = _eviction_plan(policy, hyper, lc, k_new, v_new, probs, q_pos, window)
         # the writes wait for the layer output, i.e. for every read of the old slots: XLA can write in place
         x, dest = jax.lax.optimization_barrier((x, dest))
-        new_layers.append(LayerCache(scatter_slots(lc.k, dest, k_new), scatter_slots(lc.v, dest, v_new),
+        new_layers.append(LayerCache(select_slots(lc.k, dest, k_new), select_slots(lc.v, dest, v_new),
                                      pos_l, acc_l))
     return x, KVCache(tuple(new_layers))
 
