@@ -1,0 +1,85 @@
+"""The one sample format every benchmark builder returns and the runner consumes, and its tokenisation.
+
+A benchmark module (`ruler`, `longbench`, `math500`) exposes `TASKS` and
+`build(task, tokenizer, *, length, num_samples, seed, ...) -> list[Sample]`. The runner renders a sample with
+`render_ids` under either protocol:
+
+- paper (default): the whole prompt (context + question + answer prefix) goes through block prefill;
+- question-agnostic: only `context` is compressed; the question (and answer prefix) is appended afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+PROTOCOLS = ("paper", "question_agnostic")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """One evaluation sample; `context + question` is the user message, `answer_prefix` opens the answer."""
+
+    id: str                      # unique and stable within its task across runs (resume key)
+    task: str
+    context: str                 # compressed under the question-agnostic protocol
+    question: str                # appended after compression under the question-agnostic protocol
+    answers: tuple[str, ...]     # references (any may match, per the task's metric)
+    max_new_tokens: int
+    metric: str                  # name in vdjax.eval.metrics.METRICS
+    answer_prefix: str = ""      # put after the templated prompt (RULER); the model continues it
+    chat_template: bool = True   # False: plain text even when the tokenizer has a chat template (LongBench)
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict, hash=False, compare=False)
+
+    def to_json(self) -> dict:
+        """A JSON-serialisable dict of every field."""
+        return dataclasses.asdict(self) | {"answers": list(self.answers)}
+
+
+def has_chat_template(tokenizer) -> bool:
+    """True when the tokenizer carries a chat template."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def render_text(tokenizer, sample: Sample) -> tuple[str, int]:
+    """(full input text, character offset where the context ends) for `sample` with this tokenizer.
+
+    With a chat template (and `sample.chat_template`), the user message is `context + question` and the
+    answer prefix follows the generation prompt; otherwise the text is `context + question + answer_prefix`.
+    """
+    message = sample.context + sample.question
+    if sample.chat_template and has_chat_template(tokenizer):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True
+        )
+        start = text.index(message)
+        return text + sample.answer_prefix, start + len(sample.context)
+    return message + sample.answer_prefix, len(sample.context)
+
+
+def render_ids(tokenizer, sample: Sample) -> tuple[list[int], list[int]]:
+    """(context ids, question ids): the full input tokenised once, split at the end of the context.
+
+    `context + question` ids are exactly the tokenisation of the whole input (BOS added by the tokenizer
+    when the text has no chat template of its own); a token straddling the boundary goes to the context.
+    """
+    text, boundary = render_text(tokenizer, sample)
+    templated = sample.chat_template and has_chat_template(tokenizer)
+    enc = tokenizer(text, add_special_tokens=not templated, return_offsets_mapping=True)
+    ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
+    split = len(ids)
+    for i, (start, end) in enumerate(offsets):
+        if end > start and start >= boundary:
+            split = i
+            break
+    return ids[:split], ids[split:]
+
+
+def token_counter(tokenizer) -> Callable[[Sample], int]:
+    """A function giving a sample's input length plus its answer budget, in this tokenizer's tokens."""
+
+    def count(sample: Sample) -> int:
+        ctx, q = render_ids(tokenizer, sample)
+        return len(ctx) + len(q) + sample.max_new_tokens
+
+    return count
