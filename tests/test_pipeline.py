@@ -192,3 +192,31 @@ def test_bad_ids(model):
         vdjax.generate(model, [[1, 2, 3]], attention_mask=[[1, 0, 1]], policy="valuediff", budget=8)
     with pytest.raises(TypeError, match="params must be"):
         vdjax.generate({"embed": 1}, [1, 2], policy="valuediff", budget=8)
+
+
+def test_question_agnostic_protocol(model):
+    """The question is appended after the context was cut to N: kept whole, never scored away; with room for
+    everything it is the dense continuation of context + question."""
+    ids, q = random_ids(70, model.config.vocab_size), random_ids(9, model.config.vocab_size, seed=1)
+    dense = vdjax.generate(model, np.concatenate([ids, q]), "dense", max_new_tokens=6, eos_token_id=[])
+    for name in ("dense", "valuediff", "snapkv"):
+        out = vdjax.run(model, ids, name, budget=None if name == "dense" else 120, block_size=16,
+                        max_new_tokens=6, eos_token_id=[], question=q)
+        np.testing.assert_array_equal(out.tokens, dense, err_msg=name)
+    out = vdjax.run(model, [ids, ids[:50]], "valuediff", budget=20, block_size=16, max_new_tokens=3,
+                    eos_token_id=[], question=[q, q[::-1]])
+    assert out.budget == 20 + pipeline.QUESTION_PAD
+    for lc in out.cache.layers:
+        pos = np.asarray(lc.pos)
+        for row, t in ((0, 70), (1, 50)):
+            for head in pos[row]:
+                kept = set(head[head >= 0].tolist())
+                assert set(range(t, t + 9 + 2)) <= kept  # question and decoded tokens all present
+                assert len(kept - set(range(t, t + 11))) == 20  # the context holds exactly N
+
+
+@pytest.mark.parametrize("question, match", [([[1, 2], [3]], "one length"), ([], "non-empty"),
+                                             ([[1, 2]] * 3, "rows")])
+def test_bad_question(model, question, match):
+    with pytest.raises(ValueError, match=match):
+        vdjax.run(model, [[1, 2, 3], [4, 5, 6]], "valuediff", budget=8, question=question)

@@ -126,6 +126,42 @@ def _prefill(params: Params, tokens, lengths, *, policy: Policy, hyper, slots: i
     return cache, tf.final_logits(params, h_last)
 
 
+@functools.partial(jax.jit, static_argnames=("policy", "hyper"))
+def _extend(params: Params, cache: KVCache, tokens, q_pos, *, policy: Policy, hyper):
+    """Append one block tokens [B, S] at positions q_pos [B, S] (-1 = padding) -> (cache, last logits [B, V]).
+
+    Used for the question of the question-agnostic protocol: the cache has room for every question token,
+    so the policy scores them but evicts nothing.
+    """
+    x, cache = _run_layers(params, policy, hyper, cache, tf.embed(params, tokens), q_pos)
+    is_last = q_pos == jnp.max(q_pos, axis=1, keepdims=True)  # [B, S]
+    return cache, tf.final_logits(params, jnp.sum(jnp.where(is_last[..., None], x, 0), axis=1))
+
+
+def _grow(cache: KVCache, extra: int) -> KVCache:
+    """The cache with `extra` empty slots appended to every layer and head."""
+    def pad(a, value):
+        return jnp.pad(a, [(0, 0)] * 2 + [(0, extra)] + [(0, 0)] * (a.ndim - 3), constant_values=value)
+
+    return KVCache(tuple(LayerCache(pad(lc.k, 0), pad(lc.v, 0), pad(lc.pos, -1), pad(lc.acc, 0))
+                         for lc in cache.layers))
+
+
+def prepare_question(params: Params, question: Any, batch: int) -> np.ndarray:
+    """Validate question ids ([Q] for every row, or one list per row, all of one length) -> [batch, Q]."""
+    rows = question if (isinstance(question, (list, tuple)) and question
+                        and isinstance(question[0], (list, tuple, np.ndarray))) else [question] * batch
+    if len(rows) != batch:
+        raise ValueError(f"question has {len(rows)} rows, ids have {batch}; give one row per prompt or one for all")
+    if len({len(r) for r in rows}) != 1 or len(rows[0]) == 0:
+        raise ValueError(f"question rows must be non-empty and of one length, got {[len(r) for r in rows]}")
+    arr, _ = prepare_ids(params, [list(r) for r in rows])
+    return arr
+
+
+QUESTION_PAD = 32  # question-agnostic protocol: the cache grows by the question length rounded up to this
+
+
 @functools.partial(
     jax.jit, static_argnames=("policy", "hyper", "max_new", "temperature", "top_k", "top_p"), donate_argnums=(1,)
 )
@@ -286,12 +322,22 @@ def run(
     top_p: float = 1.0,
     key: jax.Array | None = None,
     eos_token_id: int | Sequence[int] | None = None,
+    question=None,
     **policy_kwargs,
 ) -> Generation:
-    """`generate` plus timings and the final cache."""
+    """`generate` plus timings and the final cache.
+
+    `question` (ids, [Q] or one row per prompt, all of one length) selects the question-agnostic protocol:
+    `ids` (the context) is block-prefilled and cut to `budget`, then the question is appended whole (the cache
+    grows by Q rounded up to QUESTION_PAD slots, nothing evicted) and decoding evicts within that larger cache.
+    """
     max_new = _check_int("max_new_tokens", max_new_tokens)
     check_sampling(temperature, top_k, top_p, key)
-    p = plan(params, ids, policy, budget, block_size, max_new, attention_mask, **policy_kwargs)
+    q_ids = None
+    if question is not None:
+        q_ids = prepare_question(params, question, prepare_ids(params, ids, attention_mask)[0].shape[0])
+    extra_q = 0 if q_ids is None else -(-q_ids.shape[1] // QUESTION_PAD) * QUESTION_PAD
+    p = plan(params, ids, policy, budget, block_size, max_new + extra_q, attention_mask, **policy_kwargs)
     cfg = params.config
     eos = cfg.eos_token_ids if eos_token_id is None else eos_token_id
     eos = jnp.asarray(np.atleast_1d(np.asarray(eos if eos is not None else [], np.int32)).reshape(-1), jnp.int32)
@@ -301,6 +347,17 @@ def run(
     t0 = time.perf_counter()
     cache, logits = _prefill(params, jnp.asarray(p.tokens), lengths, policy=p.policy, hyper=p.hyper,
                              slots=p.slots, block=p.block)
+    slots = p.slots
+    if q_ids is not None:
+        q_len = q_ids.shape[1]
+        tokens = np.zeros((q_ids.shape[0], extra_q), np.int32)
+        tokens[:, :q_len] = q_ids
+        q_pos = np.where(np.arange(extra_q)[None] < q_len, p.lengths[:, None] + np.arange(extra_q)[None], -1)
+        if not p.policy.is_dense:
+            cache, slots = _grow(cache, extra_q), slots + extra_q
+        cache, logits = _extend(params, cache, jnp.asarray(tokens), jnp.asarray(q_pos, jnp.int32),
+                                policy=p.policy, hyper=p.hyper)
+        lengths = lengths + q_len
     logits.block_until_ready()
     t1 = time.perf_counter()
     out, steps, cache = _decode(params, cache, logits, lengths, key, eos, jnp.int32(pad), policy=p.policy,
@@ -309,7 +366,7 @@ def run(
     out = np.asarray(out)
     t2 = time.perf_counter()
     steps = int(steps)
-    return Generation(out[:, :steps], cache, t1 - t0, t2 - t1, steps - 1, p.policy.name, p.hyper, p.slots)
+    return Generation(out[:, :steps], cache, t1 - t0, t2 - t1, steps - 1, p.policy.name, p.hyper, slots)
 
 
 def generate(
