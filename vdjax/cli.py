@@ -397,6 +397,100 @@ def cmd_convert(args) -> int:
     return 0
 
 
+# ---- eval --------------------------------------------------------------------------------------------------
+def _int_list(text: str) -> list[int]:
+    """argparse type: a comma-separated list of integers >= 1."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    out = []
+    for item in items:
+        try:
+            value = int(item)
+        except ValueError:
+            value = None
+        if value is None or value < 1:
+            raise argparse.ArgumentTypeError(
+                f"must be comma-separated integers >= 1, got {item!r} in {text!r}")
+        out.append(value)
+    if not out:
+        raise argparse.ArgumentTypeError(f"must list one or more integers >= 1, got {text!r}")
+    return out
+
+
+def _name_list(text: str) -> list[str]:
+    """argparse type: a non-empty comma-separated list of names."""
+    out = [t.strip() for t in text.split(",") if t.strip()]
+    if not out:
+        raise argparse.ArgumentTypeError(f"must be a comma-separated list of names, got {text!r}")
+    return out
+
+
+def cmd_eval(args) -> int:
+    """Run a benchmark under every policy and budget (resumable), then write and print the summary tables."""
+    import importlib
+    import inspect
+
+    from vdjax.eval.runner import run_dir
+    from vdjax.policies import POLICIES
+
+    names = args.policies or ["dense"] + [p for p in POLICIES if p != "dense"]
+    policies = [check_policy(name, argument="--policies") for name in names]
+    evicting = [p.name for p in policies if not p.is_dense]
+    if evicting and not args.budgets:
+        raise UsageError(f"argument --budgets: the evicting policies {evicting} need --budgets N[,N...]")
+    try:
+        module = importlib.import_module(f"vdjax.eval.{args.benchmark}")
+    except ImportError as e:
+        raise UsageError(f"benchmark {args.benchmark!r} cannot be loaded: {e}") from None
+    if args.tasks:
+        unknown = [t for t in args.tasks if t not in module.TASKS]
+        if unknown:
+            raise UsageError(
+                f"argument --tasks: {unknown} not in {args.benchmark}; allowed: {list(module.TASKS)}")
+    if args.data_dir is not None and not Path(args.data_dir).is_dir():
+        raise UsageError(f"argument --data-dir: no such folder: {args.data_dir!r}")
+    data_param = inspect.signature(module.build).parameters.get("data_dir")
+    if args.data_dir is None and data_param is not None and data_param.default is inspect.Parameter.empty:
+        raise UsageError(f"argument --data-dir: benchmark {args.benchmark!r} needs its data folder")
+    folder = _resolve_model(args.model)
+    model_name = args.model if (args.model in _registered_models()) else Path(folder).resolve().name
+    cache = enable_compile_cache()
+
+    from rich.console import Console
+
+    import vdjax
+    from vdjax.eval.report import rich_tables, summarize
+    from vdjax.eval.runner import evaluate
+
+    params, tokenizer = vdjax.load(folder), vdjax.load_tokenizer(folder)
+    console = Console()
+    out = run_dir(args.out, args.benchmark, model_name, args.protocol, args.length)
+    console.print(f"{args.benchmark} on [bold]{model_name}[/]: policies {[p.name for p in policies]}, "
+                  f"budgets {args.budgets or []}, length {args.length}, {args.samples} samples/task, "
+                  f"protocol {args.protocol}, block {args.block_size} -> {out}")
+    wall = time.perf_counter()
+    try:
+        pred = evaluate(params, tokenizer, module, model_name=model_name, tasks=args.tasks,
+                        policies=[p.name for p in policies], budgets=args.budgets or None, length=args.length,
+                        num_samples=args.samples, seed=args.seed, out_dir=args.out, protocol=args.protocol,
+                        block_size=args.block_size, batch_size=args.batch_size, data_dir=args.data_dir)
+    except (ValueError, FileNotFoundError) as e:  # another seed's results in --out, missing data files, ...
+        raise UsageError(str(e)) from None
+    summary = summarize(pred)
+    for table in rich_tables(summary):
+        console.print(table)
+    where = f"; compiled programs cached in {cache}" if cache else ""
+    console.print(f"predictions {pred}\nsummary {summary.md_path}, {summary.csv_path}, {summary.png_path}\n"
+                  f"wall time {time.perf_counter() - wall:.0f} s{where}")
+    return 0
+
+
+def _registered_models() -> list[str]:
+    """Names of the registered models."""
+    from vdjax import registry
+
+    return list(registry.REGISTRY)
+
+
 # ---- entry point -------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of every subcommand."""
@@ -445,6 +539,26 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("source", metavar="NAME_OR_GGUF")
     c.add_argument("--out", help="output folder (default: under $VDJAX_CACHE)")
     c.set_defaults(func=cmd_convert)
+
+    from vdjax.eval.runner import BENCHMARKS
+    from vdjax.eval.sample import PROTOCOLS
+
+    e = sub.add_parser("eval", help="benchmark policies x budgets (RULER, LongBench, MATH-500), resumable")
+    e.add_argument("benchmark", choices=BENCHMARKS)
+    e.add_argument("--model", default="smollm2-135m", help="registered name or HF checkpoint folder")
+    e.add_argument("--policies", type=_name_list,
+                   help="comma list (default: dense and every registered policy)")
+    e.add_argument("--budgets", type=_int_list, help="comma list of cache budgets, e.g. 256,512")
+    e.add_argument("--length", type=positive, default=4096, help="context length in tokens")
+    e.add_argument("--samples", type=positive, default=20, help="samples per task")
+    e.add_argument("--out", default="results", help="results folder (a rerun resumes what is there)")
+    e.add_argument("--tasks", type=_name_list, help="comma list (default: every task of the benchmark)")
+    e.add_argument("--protocol", choices=PROTOCOLS, default="paper")
+    e.add_argument("--block-size", type=positive, default=128)
+    e.add_argument("--batch-size", type=positive, default=1, help="samples per vdjax.run call")
+    e.add_argument("--data-dir", help="benchmark data folder (LongBench, MATH-500)")
+    e.add_argument("--seed", type=_int_at_least(0), default=0)
+    e.set_defaults(func=cmd_eval)
     return parser
 
 

@@ -1,0 +1,336 @@
+"""Summaries of predictions.jsonl files in the paper's layout: retention = score with eviction / dense score.
+
+    s = summarize("results/ruler/smollm2-135m/paper/L4096")     # a predictions.jsonl, or a folder of them
+    s.md_path, s.csv_path, s.png_path                           # summary.md, summary.csv, retention.png
+
+One table per (benchmark, protocol, length): rows = model x budget, columns = policies with dense as the
+reference column. A cell is the mean score (0-100) over tasks of each task's mean over its samples (as
+RULER/LongBench report) and the retention in % of dense. Retention compares a policy with dense on the samples
+both have (on complete results: the ratio of the two cells), "n/a" when dense scores 0. The best evicting
+policy of a row (highest retention; highest score where no retention exists) is bold in Markdown and named in
+the CSV's `best` column. A per-task table follows. Missing results show as "—" (empty in the CSV).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import os
+from pathlib import Path
+from typing import Iterable
+
+from vdjax.eval.runner import read_predictions, record_key
+
+MISSING = "—"
+ALL_TASKS = "all"  # the `task` of a row averaging over tasks
+
+
+@dataclasses.dataclass
+class Cell:
+    """One policy at one budget: mean score (0-100), retention (% of dense), result and paired counts.
+
+    `paired` counts the samples dense has too; retention is None when there are none, or when dense
+    scores 0 on them.
+    """
+
+    score: float | None
+    retention: float | None
+    n: int
+    paired: int = 0
+
+
+@dataclasses.dataclass
+class Row:
+    """One row of a table: a model at a budget (None = dense only), over all tasks or one task."""
+
+    benchmark: str
+    protocol: str
+    length: int
+    model: str
+    task: str
+    budget: int | None
+    dense: Cell
+    cells: dict[str, Cell]
+    best: list[str]
+
+
+@dataclasses.dataclass
+class Summary:
+    """What `summarize` wrote: the rows (overall, then per task), the policy columns and the output files."""
+
+    rows: list[Row]
+    task_rows: list[Row]
+    policies: list[str]
+    markdown: str
+    md_path: Path
+    csv_path: Path
+    png_path: Path
+
+
+def retention(score: float | None, dense: float | None) -> float | None:
+    """score / dense in percent (`metrics.retention`); None when either is missing or dense is 0."""
+    from vdjax.eval import metrics
+
+    return None if score is None or dense is None else metrics.retention(score, dense)
+
+
+def _mean(values: Iterable[float]) -> float | None:
+    values = list(values)
+    return sum(values) / len(values) if values else None
+
+
+def _task_mean(scores: dict[str, dict[str, float]], keep=None) -> float | None:
+    """Mean over tasks of each task's mean score (x100); `keep(task, sample_id)` filters the samples."""
+    means = []
+    for task, by_id in scores.items():
+        vals = [v for sid, v in by_id.items() if keep is None or keep(task, sid)]
+        if vals:
+            means.append(100.0 * sum(vals) / len(vals))
+    return _mean(means)
+
+
+def _policy_order(names: Iterable[str]) -> list[str]:
+    """Evicting policies in registry order, then any others alphabetically (dense excluded)."""
+    try:
+        from vdjax.policies import POLICIES
+
+        registered = [p for p in POLICIES if p != "dense"]
+    except ImportError:  # pragma: no cover - vdjax is always importable next to this module
+        registered = []
+    names = set(names) - {"dense"}
+    return [p for p in registered if p in names] + sorted(names - set(registered))
+
+
+def load_records(source: str | os.PathLike) -> tuple[list[dict], Path]:
+    """(records, output folder) of a predictions.jsonl or of every predictions.jsonl under a folder.
+
+    Duplicate keys (benchmark, model, length, task, sample_id, policy, budget, protocol) keep the first.
+    """
+    source = Path(source)
+    if source.is_file():
+        files, folder = [source], source.parent
+    elif source.is_dir():
+        files, folder = sorted(source.rglob("predictions.jsonl")), source
+    else:
+        raise ValueError(f"pred_file_or_dir={str(source)!r} is neither a predictions file nor a folder")
+    if not files:
+        raise ValueError(f"pred_file_or_dir={str(source)!r} holds no predictions.jsonl")
+    seen, records = set(), []
+    for f in files:
+        for r in read_predictions(f):
+            key = (r.get("benchmark"), r.get("model"), r.get("length")) + record_key(r)
+            if key not in seen:
+                seen.add(key)
+                records.append(r)
+    return records, folder
+
+
+def _rows(records: list[dict]) -> tuple[list[Row], list[Row], list[str]]:
+    """Overall rows and per-task rows of every (benchmark, protocol, length, model)."""
+    # scores[(group, model)][(policy, budget)][task][sample_id] = score
+    scores: dict[tuple, dict[tuple, dict[str, dict[str, float]]]] = {}
+    for r in records:
+        gm = (r["benchmark"], r["protocol"], r["length"], r["model"])
+        cfg = ("dense", None) if r["policy"] == "dense" else (r["policy"], r["budget"])
+        by_task = scores.setdefault(gm, {}).setdefault(cfg, {}).setdefault(r["task"], {})
+        by_task[r["sample_id"]] = float(r["score"])
+    policies = _policy_order(p for by_cfg in scores.values() for p, _ in by_cfg)
+    rows, task_rows = [], []
+    for gm in sorted(scores, key=lambda k: (k[0], k[1], k[2], k[3])):
+        by_cfg = scores[gm]
+        dense = by_cfg.get(("dense", None), {})
+        budgets = sorted({b for p, b in by_cfg if p != "dense"}) or [None]
+        tasks = sorted({t for by_task in by_cfg.values() for t in by_task})
+        for task in [ALL_TASKS] + tasks:
+            for budget in budgets:
+                row = _row(gm, task, budget, dense, by_cfg, policies)
+                (rows if task == ALL_TASKS else task_rows).append(row)
+    task_rows.sort(key=lambda r: (r.benchmark, r.protocol, r.length, r.model, r.task, r.budget or 0))
+    return rows, task_rows, policies
+
+
+def _select(by_task: dict[str, dict[str, float]], task: str) -> dict[str, dict[str, float]]:
+    """All tasks, or one."""
+    return by_task if task == ALL_TASKS else ({task: by_task[task]} if task in by_task else {})
+
+
+def _row(gm: tuple, task: str, budget, dense_all: dict, by_cfg: dict, policies: list[str]) -> Row:
+    """One row: dense and every policy at `budget`, over all tasks or one."""
+    dense = _select(dense_all, task)
+    n_dense = sum(len(v) for v in dense.values())
+    dense_cell = Cell(_task_mean(dense), None, n_dense, n_dense)
+    cells = {}
+    for p in policies:
+        mine = _select(by_cfg.get((p, budget), {}), task)
+        if not mine:
+            continue
+
+        def paired(t, sid, mine=mine):  # samples this policy and dense both have
+            return sid in dense.get(t, {}) and sid in mine.get(t, {})
+
+        n_paired = sum(1 for t, by_id in mine.items() for sid in by_id if paired(t, sid))
+        ret = retention(_task_mean(mine, paired), _task_mean(dense, paired)) if n_paired else None
+        cells[p] = Cell(_task_mean(mine), ret, sum(len(v) for v in mine.values()), n_paired)
+    ranked = [p for p, c in cells.items() if c.retention is not None]
+    key = (lambda p: cells[p].retention) if ranked else (lambda p: cells[p].score)
+    ranked = ranked or list(cells)
+    top = max((key(p) for p in ranked), default=None)
+    best = [p for p in ranked if top is not None and abs(key(p) - top) <= 1e-9]
+    return Row(*gm, task, budget, dense_cell, cells, best)
+
+
+# ---- writers ----------------------------------------------------------------------------------------------
+def _fmt(x: float | None) -> str:
+    return MISSING if x is None else f"{x:.1f}"
+
+
+def cell_text(row: Row, policy: str, mark: tuple[str, str] = ("**", "**")) -> str:
+    """A cell as text: "score (retention%)", the row's best wrapped in `mark`.
+
+    "n/a" retention when dense scores 0; "—" for no results (in the parentheses: no dense results for the
+    same samples).
+    """
+    if policy == "dense":
+        return _fmt(row.dense.score)
+    cell = row.cells.get(policy)
+    if cell is None:
+        return MISSING
+    score = _fmt(cell.score)
+    if policy in row.best:
+        score = f"{mark[0]}{score}{mark[1]}"
+    return f"{score} ({_retention_text(cell)})"
+
+
+def _retention_text(cell: Cell) -> str:
+    """x.y%, n/a (dense scores 0) or — (no paired dense results)."""
+    if not cell.paired:
+        return MISSING
+    return "n/a" if cell.retention is None else f"{cell.retention:.1f}%"
+
+
+def _budget_text(budget) -> str:
+    return MISSING if budget is None else str(budget)
+
+
+def _markdown(rows: list[Row], task_rows: list[Row], policies: list[str]) -> str:
+    """summary.md: per (benchmark, protocol, length) the overall table, then the per-task table."""
+    cols = ["dense"] + policies
+    out = []
+    groups = sorted({(r.benchmark, r.protocol, r.length) for r in rows})
+    for g in groups:
+        out.append(f"## {g[0]} — protocol {g[1]}, length {g[2]}\n")
+        out.append("Mean score (0–100; mean over tasks of per-task means) and retention (% of dense). "
+                   "**Bold**: best evicting policy of the row.\n")
+        out.append("| model | budget | " + " | ".join(cols) + " |")
+        out.append("|---|---:|" + "---:|" * len(cols))
+        for r in (r for r in rows if (r.benchmark, r.protocol, r.length) == g):
+            out.append(f"| {r.model} | {_budget_text(r.budget)} | "
+                       + " | ".join(cell_text(r, c) for c in cols) + " |")
+        out.append("")
+        out.append("Per task:\n")
+        out.append("| model | task | budget | " + " | ".join(cols) + " |")
+        out.append("|---|---|---:|" + "---:|" * len(cols))
+        for r in (r for r in task_rows if (r.benchmark, r.protocol, r.length) == g):
+            out.append(f"| {r.model} | {r.task} | {_budget_text(r.budget)} | "
+                       + " | ".join(cell_text(r, c) for c in cols) + " |")
+        out.append("")
+    out.append("Retention compares each policy with dense on the samples both have; n/a: dense scores 0 "
+               f"there; {MISSING}: no results yet.")
+    return "\n".join(out) + "\n"
+
+
+def _num(x: float | None) -> str:
+    return "" if x is None else f"{x:.4f}"
+
+
+def _write_csv(path: Path, rows: list[Row], policies: list[str]) -> None:
+    """summary.csv: overall rows (task "all") then per-task rows; score, retention and count per policy."""
+    header = ["benchmark", "protocol", "length", "model", "task", "budget", "dense", "dense_n"]
+    for p in policies:
+        header += [p, f"{p}_retention", f"{p}_n"]
+    header.append("best")
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        for r in rows:
+            line = [r.benchmark, r.protocol, r.length, r.model, r.task, "" if r.budget is None else r.budget,
+                    _num(r.dense.score), r.dense.n]
+            for p in policies:
+                c = r.cells.get(p)
+                if c is None:
+                    line += ["", "", 0]
+                else:
+                    ret = "n/a" if c.retention is None and c.paired else _num(c.retention)
+                    line += [_num(c.score), ret, c.n]
+            line.append(";".join(r.best))
+            w.writerow(line)
+
+
+def _plot(path: Path, rows: list[Row], policies: list[str]) -> None:
+    """retention.png: retention (% of dense) vs budget, a line per policy, a panel per model and setting."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r.benchmark, r.protocol, r.length, r.model) for r in rows})
+    fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(5.5 * max(len(panels), 1), 4), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        mine = [r for r in rows
+                if (r.benchmark, r.protocol, r.length, r.model) == panel and r.budget is not None]
+        drawn = False
+        for p in policies:
+            pts = [(r.budget, r.cells[p].retention) for r in mine
+                   if p in r.cells and r.cells[p].retention is not None]
+            if pts:
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, marker="o", label=p)
+                drawn = True
+        ax.axhline(100.0, color="gray", linestyle="--", linewidth=1, label="dense")
+        budgets = sorted({r.budget for r in mine})
+        if len(budgets) > 1:
+            ax.set_xscale("log", base=2)
+        if budgets:
+            ax.set_xticks(budgets, [str(b) for b in budgets])
+        if not drawn:
+            ax.text(0.5, 0.5, "no retention yet\n(needs dense and a non-zero dense score)",
+                    ha="center", va="center", transform=ax.transAxes)
+        ax.set_title(f"{panel[3]} — {panel[0]} {panel[1]} L{panel[2]}", fontsize=9)
+        ax.set_xlabel("budget (cache slots per KV head)")
+        ax.set_ylabel("retention (% of dense)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def summarize(pred_file_or_dir: str | os.PathLike) -> Summary:
+    """Write summary.md, summary.csv and retention.png beside the predictions (file) or in the folder."""
+    records, folder = load_records(pred_file_or_dir)
+    rows, task_rows, policies = _rows(records)
+    markdown = _markdown(rows, task_rows, policies)
+    md_path, csv_path, png_path = folder / "summary.md", folder / "summary.csv", folder / "retention.png"
+    md_path.write_text(markdown)
+    _write_csv(csv_path, rows + task_rows, policies)
+    _plot(png_path, rows, policies)
+    return Summary(rows, task_rows, policies, markdown, md_path, csv_path, png_path)
+
+
+def rich_tables(summary: Summary) -> list:
+    """The overall tables as rich Tables (one per benchmark, protocol and length), for printing."""
+    from rich.table import Table
+
+    cols = ["dense"] + summary.policies
+    tables = []
+    for g in sorted({(r.benchmark, r.protocol, r.length) for r in summary.rows}):
+        t = Table(title=f"{g[0]} — protocol {g[1]}, length {g[2]}: score (retention % of dense)")
+        t.add_column("model")
+        t.add_column("budget", justify="right")
+        for c in cols:
+            t.add_column(c, justify="right")
+        for r in (r for r in summary.rows if (r.benchmark, r.protocol, r.length) == g):
+            t.add_row(r.model, _budget_text(r.budget),
+                      *(cell_text(r, c, ("[bold green]", "[/]")) for c in cols))
+        tables.append(t)
+    return tables

@@ -1,0 +1,460 @@
+"""Run a benchmark under every (policy, budget) and append one scored JSON line per result, resumably.
+
+    path = evaluate(params, tokenizer, "ruler", model_name="smollm2-135m", policies=["dense", "valuediff"],
+                    budgets=[256, 512], length=4096, num_samples=20, out_dir="results")
+    # results/ruler/smollm2-135m/paper/L4096/predictions.jsonl (+ run.json beside it)
+
+Each line is one (sample, policy, budget): written, flushed and fsynced as soon as it is scored, so a crash
+loses at most the result being written. A rerun into the same folder reads the file, drops a torn last line
+and skips every (task, sample_id, policy, budget, protocol) it already holds. Dense runs once per sample with
+`budget` null. Decoding is greedy and stops at the model's EOS.
+
+Protocols (see `vdjax.eval.sample`): `paper` block-prefills context + question; `question_agnostic`
+block-prefills the context only and appends the question afterwards (`vdjax.run(..., question=...)`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import inspect
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from vdjax.eval.sample import PROTOCOLS, Sample, render_ids
+
+BENCHMARKS = ("ruler", "longbench", "math500")
+KEY_FIELDS = ("task", "sample_id", "policy", "budget", "protocol")
+# a resumed run must agree with the file on these (other fields may change between runs: tasks, budgets, ...)
+RUN_FIELDS = ("benchmark", "model", "length", "seed", "protocol", "block_size")
+# prefill_s / decode_s: wall time of the whole batch's call (`batch` rows), jit compilation taken out
+# (compile_s); prefill_s is the time to the first token.
+RECORD_FIELDS = (
+    "benchmark", "task", "sample_id", "model", "length", "seed", "protocol", "policy", "budget", "block_size",
+    "hyper", "prediction", "answers", "score", "input_tokens", "new_tokens", "prefill_s", "decode_s",
+    "compile_s", "batch",
+)
+
+
+# ---- benchmarks and paths ---------------------------------------------------------------------------------
+def load_benchmark(benchmark: str | ModuleType) -> tuple[str, ModuleType]:
+    """(name, module) of a benchmark: one of BENCHMARKS, or a module with `TASKS`, `build` (name: `NAME`)."""
+    if isinstance(benchmark, ModuleType):
+        module = benchmark
+        name = getattr(module, "NAME", module.__name__.rsplit(".", 1)[-1])
+    elif isinstance(benchmark, str):
+        if benchmark not in BENCHMARKS:
+            raise ValueError(f"benchmark={benchmark!r} is unknown; allowed: {list(BENCHMARKS)} or a module")
+        name, module = benchmark, importlib.import_module(f"vdjax.eval.{benchmark}")
+    else:
+        raise TypeError(f"benchmark must be a name {list(BENCHMARKS)} or a module, "
+                        f"got {type(benchmark).__name__}")
+    if not hasattr(module, "TASKS") or not callable(getattr(module, "build", None)):
+        raise TypeError(f"benchmark module {module.__name__!r} must define TASKS and "
+                        "build(task, tokenizer, ...)")
+    return name, module
+
+
+def _check_name(argument: str, value: Any) -> str:
+    """A non-empty string usable as one folder name, or a ValueError naming the argument."""
+    if not isinstance(value, str) or not value or value in (".", "..") or "/" in value or os.sep in value:
+        raise ValueError(f"{argument} must be a non-empty name without path separators, got {value!r}")
+    return value
+
+
+def run_dir(out_dir: str | os.PathLike, benchmark: str, model_name: str, protocol: str, length: int) -> Path:
+    """The folder of one run: out_dir/<benchmark>/<model_name>/<protocol>/L<length>."""
+    return Path(out_dir) / benchmark / model_name / protocol / f"L{length}"
+
+
+def record_key(record: Mapping[str, Any]) -> tuple:
+    """The resume key of a prediction line: (task, sample_id, policy, budget, protocol)."""
+    return tuple(record[f] for f in KEY_FIELDS)
+
+
+# ---- the predictions file ---------------------------------------------------------------------------------
+def _parse_line(raw: bytes) -> dict | None:
+    """The JSON object of one line holding every key field, or None."""
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(record, dict) or any(f not in record for f in KEY_FIELDS):
+        return None
+    return record
+
+
+def read_predictions(path: str | os.PathLike, *, repair: bool = False) -> list[dict]:
+    """Every record of a predictions.jsonl (a torn last line, from a crash mid-write, is skipped).
+
+    With `repair=True` the file itself is fixed: a torn last line is cut off, a complete last line missing
+    its newline gets one. A bad line anywhere else is corruption: ValueError naming the file and line.
+    """
+    path = Path(path)
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    tail = lines.pop()  # b"" when the file ends with a newline
+    records = []
+    for number, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        record = _parse_line(raw)
+        if record is None:
+            if number == len(lines) and not tail:  # last line, newline written but content cut: torn
+                if repair:
+                    _truncate(path, len(data) - len(raw) - 1)
+                continue
+            raise ValueError(f"{path}: line {number} is not a prediction record: {raw[:80]!r}")
+        records.append(record)
+    if tail.strip():
+        record = _parse_line(tail)
+        if record is not None:
+            records.append(record)
+            if repair:
+                with open(path, "ab") as f:
+                    f.write(b"\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+        elif repair:
+            _truncate(path, len(data) - len(tail))
+    return records
+
+
+def _truncate(path: Path, size: int) -> None:
+    """Cut the file to `size` bytes, durably."""
+    with open(path, "r+b") as f:
+        f.truncate(size)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class _Appender:
+    """Appends JSON lines, each flushed and fsynced before the call returns."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.file = open(path, "a", encoding="utf-8")
+
+    def write(self, record: dict) -> None:
+        self.file.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self.file.flush()
+        os.fsync(self.file.fileno())
+
+    def close(self) -> None:
+        self.file.close()
+
+
+# ---- run metadata -----------------------------------------------------------------------------------------
+def git_commit() -> str | None:
+    """The vdjax source tree's git commit (suffixed `-dirty` with uncommitted changes), or None."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("-dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
+
+
+def _environment() -> dict:
+    """jax version, backend and devices, vdjax commit, host."""
+    import jax
+
+    return {
+        "vdjax_commit": git_commit(),
+        "jax_version": jax.__version__,
+        "jax_backend": jax.default_backend(),
+        "jax_devices": [str(d) for d in jax.devices()],
+        "python": platform.python_version(),
+        "host": platform.node(),
+    }
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    """Write JSON atomically (temporary file, then rename)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+
+
+# ---- argument checking ------------------------------------------------------------------------------------
+def _check_int(argument: str, value: Any, minimum: int = 1) -> int:
+    """value as an int >= minimum, or a ValueError naming the argument."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{argument} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _names(argument: str, values: Any) -> list:
+    """A non-empty list from a comma-separated string or a sequence, duplicates dropped (order kept)."""
+    if isinstance(values, str):
+        values = [v.strip() for v in values.split(",") if v.strip()]
+    if not isinstance(values, Iterable):
+        raise TypeError(f"{argument} must be a list, got {type(values).__name__}: {values!r}")
+    out = []
+    for v in values:
+        if v not in out:
+            out.append(v)
+    if not out:
+        raise ValueError(f"{argument} must name at least one entry, got {values!r}")
+    return out
+
+
+def _check_tasks(module: ModuleType, name: str, tasks: Any) -> list[str]:
+    """The requested tasks (all of the benchmark's when None), each one of module.TASKS."""
+    allowed = list(module.TASKS)
+    if tasks is None:
+        return allowed
+    tasks = _names("tasks", tasks)
+    unknown = [t for t in tasks if t not in allowed]
+    if unknown:
+        raise ValueError(f"tasks={unknown} not in benchmark {name!r}; allowed: {allowed}")
+    return tasks
+
+
+def _check_policies(policies: Any, budgets: Any, policy_kwargs: Mapping | None):
+    """[(Policy, hyper)] and the budgets; ValueError/TypeError naming the bad argument."""
+    from vdjax.policies import get_policy
+
+    policy_kwargs = dict(policy_kwargs or {})
+    pols = []
+    for p in _names("policies", policies):
+        pol = get_policy(p)
+        kwargs = policy_kwargs.get(pol.name, {})
+        if not isinstance(kwargs, Mapping):
+            raise TypeError(f"policy_kwargs[{pol.name!r}] must be a dict of keywords, got {kwargs!r}")
+        pols.append((pol, pol.hyper(**kwargs)))
+    names = [pol.name for pol, _ in pols]
+    if len(set(names)) != len(names):
+        raise ValueError(f"policies name the same policy twice: {names}")
+    extra = sorted(k for k in policy_kwargs if k not in names)
+    if extra:
+        raise ValueError(f"policy_kwargs names {extra}, which are not in policies {names}")
+    evicting = [pol for pol, _ in pols if not pol.is_dense]
+    if budgets is None or (isinstance(budgets, (list, tuple)) and not budgets):
+        if evicting:
+            raise ValueError(f"budgets must list one or more cache budgets for the evicting policies "
+                             f"{[p.name for p in evicting]}, got {budgets!r}")
+        return pols, []
+    if isinstance(budgets, str):
+        raise TypeError(f"budgets must be a list of integers, got the string {budgets!r}")
+    budgets = _names("budgets", budgets)
+    for b in budgets:
+        _check_int("budgets entry", b)
+    return pols, sorted(budgets)
+
+
+def _build_samples(module: ModuleType, name: str, tokenizer, tasks: Sequence[str], *, length: int,
+                   num_samples: int, seed: int, data_dir) -> dict[str, list[Sample]]:
+    """{task: samples} from the benchmark's build, sample ids checked unique per task."""
+    params = inspect.signature(module.build).parameters
+    takes_data_dir = "data_dir" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    if data_dir is not None and not takes_data_dir:
+        raise ValueError(f"data_dir={str(data_dir)!r} given, but benchmark {name!r} reads no data folder")
+    if data_dir is None and "data_dir" in params and params["data_dir"].default is inspect.Parameter.empty:
+        raise ValueError(f"data_dir=None, but benchmark {name!r} needs its data folder (data_dir=...)")
+    extra = {"data_dir": data_dir} if data_dir is not None else {}
+    out = {}
+    for task in tasks:
+        samples = list(module.build(task, tokenizer, length=length, num_samples=num_samples, seed=seed,
+                                    **extra))
+        ids = [s.id for s in samples]
+        if len(set(ids)) != len(ids):
+            dup = sorted({i for i in ids if ids.count(i) > 1})
+            raise ValueError(f"benchmark {name!r} task {task!r} built duplicate sample ids {dup[:5]}")
+        for s in samples:
+            if not isinstance(s, Sample):
+                raise TypeError(f"benchmark {name!r} build must return Samples, got {type(s).__name__}")
+        out[task] = samples
+    return out
+
+
+def _groups(samples: list[Sample], rendered: dict, protocol: str, batch_size: int) -> list[list[Sample]]:
+    """Consecutive batches of at most batch_size samples (question_agnostic: of one question length)."""
+    if protocol == "paper":
+        buckets = {0: samples}
+    else:
+        buckets: dict[int, list[Sample]] = {}
+        for s in samples:
+            buckets.setdefault(len(rendered[s.id][1]), []).append(s)
+    return [group[i:i + batch_size] for group in buckets.values() for i in range(0, len(group), batch_size)]
+
+
+# ---- the run ----------------------------------------------------------------------------------------------
+def _truncate_new(tokens, limit: int, eos: set[int]) -> list[int]:
+    """A row's new tokens, at most `limit`, ending at (and including) the first EOS."""
+    row = [int(t) for t in tokens[:limit]]
+    for i, t in enumerate(row):
+        if t in eos:
+            return row[: i + 1]
+    return row
+
+
+def evaluate(
+    params,
+    tokenizer,
+    benchmark: str | ModuleType,
+    *,
+    model_name: str,
+    policies: Sequence[str],
+    budgets: Sequence[int] | None,
+    length: int,
+    num_samples: int,
+    out_dir: str | os.PathLike,
+    tasks: Sequence[str] | None = None,
+    seed: int = 0,
+    protocol: str = "paper",
+    block_size: int = 128,
+    batch_size: int = 1,
+    data_dir: str | os.PathLike | None = None,
+    policy_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
+    metrics: Mapping[str, Callable] | None = None,
+    progress: bool = True,
+) -> Path:
+    """Run every (sample, policy, budget) not yet in the run's predictions.jsonl; return that file's path.
+
+    `benchmark`: a name of BENCHMARKS or a module with TASKS and build(task, tokenizer, *, length,
+    num_samples, seed[, data_dir]). `policies`: names (dense runs once per sample, budget null); `budgets`:
+    cache slots per KV head for the evicting ones. `policy_kwargs`: {policy name: {keyword: value}}.
+    `batch_size` > 1 runs up to that many samples of one task in one ragged `vdjax.run` call (under
+    question_agnostic, only samples of equal question length share a call). `metrics` overrides
+    `vdjax.eval.metrics.METRICS` ({name: fn(prediction, answers, sample) -> [0, 1]}).
+    """
+    from vdjax.cli import timed_run
+
+    name, module = load_benchmark(benchmark)
+    model_name = _check_name("model_name", model_name)
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol={protocol!r} is unknown; allowed: {list(PROTOCOLS)}")
+    length = _check_int("length", length)
+    num_samples = _check_int("num_samples", num_samples)
+    block_size = _check_int("block_size", block_size)
+    batch_size = _check_int("batch_size", batch_size)
+    seed = _check_int("seed", seed, minimum=0)
+    tasks = _check_tasks(module, name, tasks)
+    pols, budgets = _check_policies(policies, budgets, policy_kwargs)
+    if data_dir is not None and not Path(data_dir).is_dir():
+        raise ValueError(f"data_dir={str(data_dir)!r} is not a folder")
+    if metrics is None:
+        from vdjax.eval.metrics import METRICS as metrics
+
+    folder = run_dir(out_dir, name, model_name, protocol, length)
+    folder.mkdir(parents=True, exist_ok=True)
+    pred_path, meta_path = folder / "predictions.jsonl", folder / "run.json"
+    identity = {"benchmark": name, "model": model_name, "length": length, "seed": seed, "protocol": protocol,
+                "block_size": block_size}
+    existing = read_predictions(pred_path, repair=True)
+    done = set()
+    for record in existing:
+        for field in RUN_FIELDS:
+            if record.get(field) != identity[field]:
+                raise ValueError(
+                    f"{pred_path} holds results with {field}={record.get(field)!r}; this run has "
+                    f"{field}={identity[field]!r}: use another out_dir (or the same {field})"
+                )
+        done.add(record_key(record))
+    for pol, hyper in pols:
+        want = json.loads(json.dumps(dict(hyper)))
+        for record in existing:
+            if record["policy"] == pol.name and record.get("hyper") != want:
+                raise ValueError(
+                    f"{pred_path} holds {pol.name!r} results with hyper-parameters {record.get('hyper')}; "
+                    f"this run asks for {want}: use another out_dir"
+                )
+
+    built = _build_samples(module, name, tokenizer, tasks, length=length, num_samples=num_samples, seed=seed,
+                           data_dir=data_dir)
+    for task, samples in built.items():
+        for s in samples:
+            if s.metric not in metrics:
+                raise ValueError(f"sample {s.id!r} of task {task!r} has metric={s.metric!r}; "
+                                 f"known: {sorted(metrics)}")
+    configs = [(pol, hyper, None if pol.is_dense else b) for pol, hyper in pols
+               for b in ([None] if pol.is_dense else budgets)]
+
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    meta.update(identity)
+    invocation = {
+        "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "tasks": tasks, "num_samples": num_samples, "samples": {t: len(s) for t, s in built.items()},
+        "policies": [pol.name for pol, _ in pols], "budgets": budgets,
+        "hyper": {pol.name: dict(hyper) for pol, hyper in pols}, "batch_size": batch_size,
+        "data_dir": None if data_dir is None else str(data_dir), "model_config": _model_summary(params),
+        **_environment(),
+    }
+    meta["invocations"] = meta.get("invocations", []) + [invocation]
+    _write_json(meta_path, meta)
+
+    eos = set(int(e) for e in (params.config.eos_token_ids or ()))
+    total = sum(len(s) for s in built.values()) * len(configs)
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, initial=sum(1 for ss in built.values() for s in ss for pol, _, b in configs
+                                        if (s.task, s.id, pol.name, b, protocol) in done),
+               desc=f"{name} {model_name} L{length}", unit="gen", disable=not progress, dynamic_ncols=True)
+    writer = _Appender(pred_path)
+    try:
+        for task, samples in built.items():
+            rendered = {s.id: render_ids(tokenizer, s) for s in samples}
+            if protocol == "question_agnostic":
+                empty = [s.id for s in samples if not rendered[s.id][1]]
+                if empty:
+                    raise ValueError(f"samples {empty[:5]} of task {task!r} have no question tokens; the "
+                                     "question_agnostic protocol needs a question after the context")
+            for group in _groups(samples, rendered, protocol, batch_size):
+                for pol, hyper, budget in configs:
+                    todo = [s for s in group if (s.task, s.id, pol.name, budget, protocol) not in done]
+                    if not todo:
+                        continue
+                    bar.set_postfix_str(f"{task} {pol.name} {budget or ''}".rstrip(), refresh=False)
+                    ctx = [rendered[s.id][0] for s in todo]
+                    qs = [rendered[s.id][1] for s in todo]
+                    max_new = max(s.max_new_tokens for s in todo)
+                    if protocol == "paper":
+                        ids, question = [c + q for c, q in zip(ctx, qs)], None
+                    else:
+                        ids, question = ctx, qs
+                    gen, prefill_s, decode_s, compile_s = timed_run(
+                        params, ids, pol, budget, block_size=block_size, max_new_tokens=max_new,
+                        question=question, **dict(hyper))
+                    for r, s in enumerate(todo):
+                        new = _truncate_new(gen.tokens[r], s.max_new_tokens, eos)
+                        prediction = tokenizer.decode(new, skip_special_tokens=True)
+                        score = float(metrics[s.metric](prediction, s.answers, s))
+                        if not 0.0 <= score <= 1.0:
+                            raise ValueError(f"metric {s.metric!r} gave score {score} for sample {s.id!r}; "
+                                             "scores must lie in [0, 1]")
+                        writer.write({
+                            **identity, "task": s.task, "sample_id": s.id, "policy": pol.name,
+                            "budget": budget,
+                            "hyper": dict(gen.hyper), "prediction": prediction, "answers": list(s.answers),
+                            "score": score, "input_tokens": len(ctx[r]) + len(qs[r]), "new_tokens": len(new),
+                            "prefill_s": prefill_s, "decode_s": decode_s, "compile_s": compile_s,
+                            "batch": len(todo),
+                        })
+                        done.add((s.task, s.id, pol.name, budget, protocol))
+                        bar.update(1)
+    finally:
+        writer.close()
+        bar.close()
+    meta["invocations"][-1]["finished"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    _write_json(meta_path, meta)
+    return pred_path
+
+
+def _model_summary(params) -> dict:
+    """The model's family and sizes (from its config), for run.json."""
+    cfg = params.config
+    return {k: getattr(cfg, k) for k in ("family", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                                         "hidden_size", "vocab_size") if hasattr(cfg, k)}

@@ -1,0 +1,416 @@
+"""The evaluation runner (resumable predictions.jsonl), the summary report and the `vdjax eval` CLI.
+
+A tiny random Llama, a character tokenizer and a fake benchmark module keep everything but the last test fast;
+the last test runs the real SmolLM2-135M through the CLI on RULER (a fake RULER until eval/ruler.py exists).
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import random
+import re
+import sys
+import types
+
+import pytest
+
+import vdjax
+from tests.helpers import random_params, tiny_config
+from vdjax.cli import main
+from vdjax.eval import report, runner
+from vdjax.eval.sample import Sample
+
+CHARS = " abcdefghijklmnopqrstuvwxyz0123456789.,:?\n"
+
+
+class CharTokenizer:
+    """One token per character (BOS = 0, EOS = 1, unknown -> '?'); no chat template."""
+
+    chat_template = None
+    bos_token_id, eos_token_id = 0, 1
+
+    def __call__(self, text, add_special_tokens=True, return_offsets_mapping=False):
+        ids = [2 + CHARS.index(c) if c in CHARS else 2 + CHARS.index("?") for c in text.lower()]
+        offsets = [(i, i + 1) for i in range(len(text))]
+        if add_special_tokens:
+            ids, offsets = [self.bos_token_id] + ids, [(0, 0)] + offsets
+        out = {"input_ids": ids}
+        if return_offsets_mapping:
+            out["offset_mapping"] = offsets
+        return out
+
+    def decode(self, ids, skip_special_tokens=False):
+        special = {0: "<s>", 1: "</s>"}
+        return "".join(("" if skip_special_tokens else special[i]) if i in special else CHARS[i - 2]
+                       for i in ids)
+
+
+WORDS = ("red", "blue", "green", "sky", "sea", "sun", "the", "is", "a", "code", "of", "key")
+
+
+def _build(task, tokenizer, *, length, num_samples, seed=0, metric="overlap"):
+    """Fake samples: ~length characters of words, two question lengths, 4-5 new tokens."""
+    rng = random.Random(f"{task}-{seed}")
+    out = []
+    for i in range(num_samples):
+        n = length - 8 * (i % 3)
+        words = []
+        while sum(len(w) + 1 for w in words) < n:
+            words.append(rng.choice(WORDS))
+        answer = f"{rng.randint(10, 99)}"
+        context = " ".join(words) + f" the code is {answer}."
+        question = "\nq: code?" if i % 2 else "\nq: what code?"
+        out.append(Sample(id=f"{task}-{i}", task=task, context=context, question=question,
+                          answers=(answer, "sky"), max_new_tokens=4 + i % 2, metric=metric,
+                          answer_prefix=" a:"))
+    return out
+
+
+def fake_benchmark(tasks=("alpha", "beta"), metric="overlap", name="fake") -> types.ModuleType:
+    """A module with TASKS and build, like vdjax.eval.ruler."""
+    module = types.ModuleType(f"fake_{name}")
+    module.NAME, module.TASKS = name, tuple(tasks)
+
+    def build(task, tokenizer, *, length, num_samples, seed=0):
+        return _build(task, tokenizer, length=length, num_samples=num_samples, seed=seed, metric=metric)
+
+    module.build = build
+    return module
+
+
+def overlap(prediction, answers, sample):
+    """Fraction of the first answer's characters found in the prediction (a graded, deterministic score)."""
+    ref = answers[0]
+    return sum(c in prediction for c in ref) / len(ref)
+
+
+def length_score(prediction, answers, sample):
+    return min(len(prediction), 4) / 4
+
+
+METRICS = {"overlap": overlap, "length": length_score}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = tiny_config(vocab_size=2 + len(CHARS), eos_token_ids=(1,))
+    return random_params(cfg, seed=3), CharTokenizer()
+
+
+def _run(tiny, out, benchmark=None, **kw):
+    params, tok = tiny
+    args = dict(model_name="tiny", policies=["dense", "valuediff", "streaming"], budgets=[16, 32], length=85,
+                num_samples=4, out_dir=out, block_size=16, batch_size=2, metrics=METRICS, progress=False)
+    args.update(kw)
+    return runner.evaluate(params, tok, benchmark or fake_benchmark(), **args)
+
+
+def _lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _expected_keys(tasks=("alpha", "beta"), n=4, protocol="paper"):
+    cfgs = [("dense", None), ("valuediff", 16), ("valuediff", 32), ("streaming", 16), ("streaming", 32)]
+    return {(t, f"{t}-{i}", p, b, protocol) for t in tasks for i in range(n) for p, b in cfgs}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny, tmp_path_factory):
+    """An uninterrupted run: its predictions file."""
+    return _run(tiny, tmp_path_factory.mktemp("ref"))
+
+
+# ---- runner ------------------------------------------------------------------------------------------------
+def test_every_line_once(reference):
+    assert reference.parts[-5:] == ("fake", "tiny", "paper", "L85", "predictions.jsonl")
+    lines = _lines(reference)
+    keys = [runner.record_key(r) for r in lines]
+    assert len(keys) == len(set(keys)) == 40
+    assert set(keys) == _expected_keys()
+    for r in lines:
+        assert set(runner.RECORD_FIELDS) <= set(r)
+        assert (r["benchmark"], r["model"], r["length"], r["seed"]) == ("fake", "tiny", 85, 0)
+        assert r["block_size"] == 16
+        assert 0.0 <= r["score"] <= 1.0
+        assert r["score"] == overlap(r["prediction"], r["answers"], None)
+        assert r["answers"][1] == "sky" and 1 <= r["new_tokens"] <= 4 + int(r["sample_id"][-1]) % 2
+        assert r["batch"] == 2 and r["input_tokens"] > 85
+        assert min(r["prefill_s"], r["decode_s"], r["compile_s"]) >= 0
+        assert r["hyper"] == ({"n_sink": 4} if r["policy"] == "streaming" else {})
+        assert (r["budget"] is None) == (r["policy"] == "dense")
+    meta = json.loads((reference.parent / "run.json").read_text())
+    assert [meta[k] for k in ("model", "benchmark", "length", "seed", "protocol", "block_size")] \
+        == ["tiny", "fake", 85, 0, "paper", 16]
+    inv = meta["invocations"][-1]
+    assert inv["tasks"] == ["alpha", "beta"] and inv["samples"] == {"alpha": 4, "beta": 4}
+    assert inv["budgets"] == [16, 32] and inv["jax_backend"] == "cpu" and inv["jax_devices"]
+    assert "finished" in inv
+    assert "vdjax_commit" in inv
+
+
+def test_batched_equals_one_by_one(tiny, reference, tmp_path, monkeypatch):
+    """Ragged batches of 2 give exactly the rows run alone; the paper protocol passes the whole prompt."""
+    calls = []
+    real_run = vdjax.run
+    monkeypatch.setattr(vdjax, "run", lambda p, ids, *a, **k: calls.append((ids, k.get("question")))
+                        or real_run(p, ids, *a, **k))
+    single = _run(tiny, tmp_path, batch_size=1, policies=["valuediff"], budgets=[16], tasks=["alpha"])
+    samples = _build("alpha", CharTokenizer(), length=85, num_samples=4)
+    assert len(calls) == 4
+    for (ids, question), s in zip(calls, samples):
+        assert question is None and len(ids) == 1
+        assert len(ids[0]) == 1 + len(s.context) + len(s.question) + len(s.answer_prefix)
+    ref = {runner.record_key(r): r for r in _lines(reference)}
+    lines = _lines(single)
+    assert len(lines) == 4 and all(r["batch"] == 1 for r in lines)
+    for r in lines:
+        assert (r["prediction"], r["score"]) == (ref[runner.record_key(r)]["prediction"],
+                                                 ref[runner.record_key(r)]["score"])
+
+
+def test_resume_after_crash(tiny, reference, tmp_path, monkeypatch):
+    calls = {"n": 0}
+
+    def crashing(prediction, answers, sample):
+        calls["n"] += 1
+        if calls["n"] > 7:
+            raise RuntimeError("simulated crash")
+        return overlap(prediction, answers, sample)
+
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        _run(tiny, tmp_path, metrics={"overlap": crashing})
+    path = tmp_path / "fake" / "tiny" / "paper" / "L85" / "predictions.jsonl"
+    before = path.read_text().splitlines()
+    assert len(before) == 7
+    with open(path, "a") as f:  # a crash mid-write: half a line, no newline
+        f.write('{"benchmark": "fake", "task": "alpha", "sample_id": "alp')
+
+    seen = []
+    real_run = vdjax.run
+    monkeypatch.setattr(vdjax, "run", lambda *a, **k: seen.append(len(a[1])) or real_run(*a, **k))
+    assert _run(tiny, tmp_path) == path
+    lines = path.read_text().splitlines()
+    assert lines[:7] == before  # nothing rewritten
+    records = [json.loads(line) for line in lines]
+    keys = [runner.record_key(r) for r in records]
+    assert len(keys) == len(set(keys)) == 40 and set(keys) == _expected_keys()
+    assert sum(seen) == 40 - 7  # only the missing (sample, policy, budget) were generated
+    ref = {runner.record_key(r): (r["prediction"], r["score"]) for r in _lines(reference)}
+    assert {runner.record_key(r): (r["prediction"], r["score"]) for r in records} == ref
+    assert len(json.loads((path.parent / "run.json").read_text())["invocations"]) == 2
+
+    # a third run has nothing to do
+    seen.clear()
+    _run(tiny, tmp_path)
+    assert seen == [] and len(path.read_text().splitlines()) == 40
+
+
+def test_read_predictions_repairs_only_the_tail(tmp_path):
+    path = tmp_path / "predictions.jsonl"
+    good = {"task": "t", "sample_id": "1", "policy": "dense", "budget": None, "protocol": "paper"}
+    path.write_text(json.dumps(good) + "\n" + json.dumps(good | {"sample_id": "2"}))  # complete, no newline
+    assert len(runner.read_predictions(path, repair=True)) == 2
+    assert path.read_text().endswith("}\n")
+    path.write_text(json.dumps(good) + "\nnot json\n" + json.dumps(good) + "\n")
+    with pytest.raises(ValueError, match="line 2"):
+        runner.read_predictions(path)
+    path.write_text(json.dumps(good) + "\n{\"task\": \n")  # torn line followed by its newline
+    assert len(runner.read_predictions(path, repair=True)) == 1
+    assert path.read_text() == json.dumps(good) + "\n"
+
+
+def test_resume_refuses_other_settings(tiny, reference, tmp_path):
+    import shutil
+
+    shutil.copytree(reference.parent.parent.parent.parent.parent, tmp_path, dirs_exist_ok=True)
+    with pytest.raises(ValueError, match="seed=0.*seed=1"):
+        _run(tiny, tmp_path, seed=1)
+    with pytest.raises(ValueError, match="block_size"):
+        _run(tiny, tmp_path, block_size=32)
+    with pytest.raises(ValueError, match="hyper-parameters"):
+        _run(tiny, tmp_path, policy_kwargs={"streaming": {"n_sink": 2}})
+
+
+def test_question_agnostic_uses_question(tiny, tmp_path, monkeypatch):
+    calls = []
+    real_run = vdjax.run
+
+    def spy(params, ids, *a, **k):
+        calls.append((ids, k.get("question")))
+        return real_run(params, ids, *a, **k)
+
+    monkeypatch.setattr(vdjax, "run", spy)
+    path = _run(tiny, tmp_path, protocol="question_agnostic", policies=["dense", "valuediff"], budgets=[16],
+                tasks=["alpha"])
+    assert path.parts[-3:-1] == ("question_agnostic", "L85")
+    records = _lines(path)
+    assert len(records) == 8 and {r["protocol"] for r in records} == {"question_agnostic"}
+    tok = CharTokenizer()
+    samples = {s.id: s for s in _build("alpha", tok, length=85, num_samples=4)}
+    assert len(calls) == 4  # 2 question lengths x (dense, valuediff), 2 samples per call
+    for ids, question in calls:
+        assert question is not None and len(question) == len(ids) == 2
+        assert len({len(q) for q in question}) == 1
+        for ctx in ids:  # the context ids end at the context (the question is appended by vdjax.run)
+            assert tok.decode(ctx, skip_special_tokens=True).endswith(".")
+    for r in records:
+        s = samples[r["sample_id"]]
+        assert r["input_tokens"] == 1 + len(s.context) + len(s.question) + len(s.answer_prefix)
+
+
+
+def test_evaluate_refuses_bad_input(tiny, tmp_path):
+    for kw, match in [
+        (dict(protocol="both"), "protocol='both'.*paper"),
+        (dict(policies=["nope"]), "unknown policy 'nope'"),
+        (dict(budgets=[16, 0]), "budgets entry must be an integer >= 1, got 0"),
+        (dict(budgets=None), "budgets must list"),
+        (dict(budgets="16"), "budgets must be a list"),
+        (dict(tasks=["gamma"]), r"tasks=\['gamma'\] not in benchmark 'fake'"),
+        (dict(length=0), "length must be an integer >= 1"),
+        (dict(batch_size=1.5), "batch_size must be an integer"),
+        (dict(model_name="a/b"), "model_name must be"),
+        (dict(policy_kwargs={"keydiff": {}}), "policy_kwargs names"),
+        (dict(metrics={"length": length_score}), "metric='overlap'"),
+        (dict(benchmark="squad"), "benchmark='squad' is unknown"),
+        (dict(data_dir=str(tmp_path)), "reads no data folder"),
+    ]:
+        with pytest.raises((ValueError, TypeError), match=match):
+            _run(tiny, tmp_path, **kw)
+    with pytest.raises(TypeError, match="unknown keyword"):
+        _run(tiny, tmp_path, policy_kwargs={"streaming": {"n_snk": 2}})
+
+
+# ---- report ------------------------------------------------------------------------------------------------
+def _rec(model, task, sid, policy, budget, score):
+    return {"benchmark": "ruler", "task": task, "sample_id": sid, "model": model, "length": 4096, "seed": 0,
+            "protocol": "paper", "policy": policy, "budget": budget, "block_size": 128, "hyper": {},
+            "prediction": "", "answers": [], "score": score}
+
+
+HAND = [
+    # m1 dense: t1 (1, 0) -> 50, t2 (1, 1) -> 100: mean 75
+    ("m1", "t1", "a", "dense", None, 1.0), ("m1", "t1", "b", "dense", None, 0.0),
+    ("m1", "t2", "a", "dense", None, 1.0), ("m1", "t2", "b", "dense", None, 1.0),
+    # budget 64: valuediff t1 50, t2 50 -> 50 (66.7%); keydiff t1 0, t2 100 -> 50 (66.7%): a tie
+    ("m1", "t1", "a", "valuediff", 64, 1.0), ("m1", "t1", "b", "valuediff", 64, 0.0),
+    ("m1", "t2", "a", "valuediff", 64, 0.5), ("m1", "t2", "b", "valuediff", 64, 0.5),
+    ("m1", "t1", "a", "keydiff", 64, 0.0), ("m1", "t1", "b", "keydiff", 64, 0.0),
+    ("m1", "t2", "a", "keydiff", 64, 1.0), ("m1", "t2", "b", "keydiff", 64, 1.0),
+    # budget 128: valuediff = dense (100%); keydiff missing; streaming partial: t1/a only, 0 vs dense 1 -> 0%
+    ("m1", "t1", "a", "valuediff", 128, 1.0), ("m1", "t1", "b", "valuediff", 128, 0.0),
+    ("m1", "t2", "a", "valuediff", 128, 1.0), ("m1", "t2", "b", "valuediff", 128, 1.0),
+    ("m1", "t1", "a", "streaming", 128, 0.0),
+    # m2: dense scores 0 -> retention n/a; best by score
+    ("m2", "t1", "a", "dense", None, 0.0), ("m2", "t1", "b", "dense", None, 0.0),
+    ("m2", "t1", "a", "valuediff", 64, 1.0), ("m2", "t1", "b", "valuediff", 64, 0.0),
+    ("m2", "t1", "a", "keydiff", 64, 0.25), ("m2", "t1", "b", "keydiff", 64, 0.25),
+]
+
+
+def test_report_hand_computed(tmp_path):
+    folder = tmp_path / "ruler"
+    folder.mkdir()
+    lines = [json.dumps(_rec(*row)) for row in HAND]
+    (folder / "predictions.jsonl").write_text("\n".join(lines) + "\n" + lines[0] + "\n" + '{"torn')
+    s = report.summarize(folder / "predictions.jsonl")
+    assert s.policies == ["valuediff", "keydiff", "streaming"]  # registry order, dense apart
+    rows = {(r.model, r.budget): r for r in s.rows}
+    assert set(rows) == {("m1", 64), ("m1", 128), ("m2", 64)}
+    r = rows["m1", 64]
+    assert r.dense.score == pytest.approx(75.0) and r.dense.n == 4
+    assert r.cells["valuediff"].score == pytest.approx(50.0)
+    assert r.cells["valuediff"].retention == pytest.approx(200 / 3)
+    assert r.cells["keydiff"].retention == pytest.approx(200 / 3)
+    assert r.best == ["valuediff", "keydiff"]
+    r = rows["m1", 128]
+    assert r.cells["valuediff"].retention == pytest.approx(100.0) and "keydiff" not in r.cells
+    assert r.cells["streaming"].score == 0.0 and r.cells["streaming"].retention == 0.0
+    assert r.cells["streaming"].n == r.cells["streaming"].paired == 1
+    assert r.best == ["valuediff"]
+    r = rows["m2", 64]
+    assert r.dense.score == 0.0 and r.cells["valuediff"].retention is None
+    assert r.best == ["valuediff"]  # no retention: best by score (50 > 25)
+    per_task = {(r.model, r.task, r.budget): r for r in s.task_rows}
+    assert per_task["m1", "t2", 64].cells["valuediff"].retention == pytest.approx(50.0)
+    assert per_task["m1", "t1", 64].cells["keydiff"].retention == pytest.approx(0.0)
+
+    md = s.md_path.read_text()
+    assert "| model | budget | dense | valuediff | keydiff | streaming |" in md
+    assert "| m1 | 64 | 75.0 | **50.0** (66.7%) | **50.0** (66.7%) | — |" in md
+    assert "| m1 | 128 | 75.0 | **75.0** (100.0%) | — | 0.0 (0.0%) |" in md
+    assert "| m2 | 64 | 0.0 | **50.0** (n/a) | 25.0 (n/a) | — |" in md
+    assert "| m1 | t2 | 64 | 100.0 | 50.0 (50.0%) | **100.0** (100.0%) | — |" in md
+
+    with open(s.csv_path) as f:
+        table = list(csv.DictReader(f))
+    top = {(r["model"], r["budget"]): r for r in table if r["task"] == "all"}
+    assert top["m1", "64"]["dense"] == "75.0000" and top["m1", "64"]["valuediff_retention"] == "66.6667"
+    assert top["m1", "64"]["best"] == "valuediff;keydiff"
+    assert top["m1", "128"]["keydiff"] == "" and top["m1", "128"]["streaming_n"] == "1"
+    assert top["m2", "64"]["valuediff_retention"] == "n/a" and top["m2", "64"]["keydiff"] == "25.0000"
+    assert len(table) == 3 + 5  # overall rows + (m1: 2 tasks x 2 budgets, m2: 1 task x 1 budget)
+    assert s.png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_partial_and_folder(tmp_path):
+    """Only evicting results (no dense yet), found through a folder: scores shown, retention '—'."""
+    folder = tmp_path / "out" / "ruler" / "m" / "paper" / "L4096"
+    folder.mkdir(parents=True)
+    (folder / "predictions.jsonl").write_text(json.dumps(_rec("m", "t1", "a", "keydiff", 256, 0.5)) + "\n")
+    s = report.summarize(tmp_path / "out")
+    assert s.md_path == tmp_path / "out" / "summary.md"
+    assert "| m | 256 | — | **50.0** (—) |" in s.md_path.read_text()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="holds no predictions.jsonl"):
+        report.summarize(tmp_path / "empty")
+    with pytest.raises(ValueError, match="neither a predictions file nor a folder"):
+        report.summarize(tmp_path / "missing")
+
+
+# ---- CLI ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv, message", [
+    (["eval", "squad"], "invalid choice: 'squad'"),
+    (["eval", "ruler", "--policies", "dense,nope", "--budgets", "64"], "unknown policy 'nope'"),
+    (["eval", "ruler", "--protocol", "both"], "invalid choice: 'both'"),
+    (["eval", "ruler", "--budgets", "64,big"], "--budgets: must be comma-separated integers >= 1, got 'big'"),
+    (["eval", "ruler", "--budgets", "0"], "--budgets: must be comma-separated integers >= 1, got '0'"),
+    (["eval", "ruler", "--policies", "dense,valuediff"], r"--budgets: the evicting policies \['valuediff'\]"),
+    (["eval", "ruler", "--samples", "0"], "--samples: must be an integer >= 1"),
+    (["eval", "longbench", "--policies", "dense", "--tasks", "nope"],
+     r"--tasks: \['nope'\] not in longbench"),
+    (["eval", "longbench", "--policies", "dense"], "--data-dir: benchmark 'longbench' needs its data folder"),
+    (["eval", "math500", "--policies", "dense", "--data-dir", "/no/such/dir"], "--data-dir: no such folder"),
+])
+def test_cli_refuses(argv, message, capsys, monkeypatch):
+    monkeypatch.setenv("VDJAX_COMPILE_CACHE", "0")
+    if argv[1] == "ruler" and importlib.util.find_spec("vdjax.eval.ruler") is None:
+        monkeypatch.setitem(sys.modules, "vdjax.eval.ruler", fake_benchmark(("niah_single_1",), name="ruler"))
+    assert main(argv + ["--model", "no-such-model"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err), err
+
+
+def test_cli_end_to_end_smollm2(smollm2_dir, tmp_path, monkeypatch, capsys):
+    """The real model through `vdjax eval`: RULER niah_single_1, 512 tokens, 2 samples, dense + valuediff."""
+    monkeypatch.setenv("VDJAX_COMPILE_CACHE", "0")
+    if importlib.util.find_spec("vdjax.eval.ruler") is None:  # until eval/ruler.py lands
+        monkeypatch.setitem(sys.modules, "vdjax.eval.ruler",
+                            fake_benchmark(("niah_single_1",), metric="string_match_all", name="ruler"))
+    out = tmp_path / "results"
+    rc = main(["eval", "ruler", "--model", str(smollm2_dir), "--tasks", "niah_single_1", "--length", "512",
+               "--samples", "2", "--policies", "dense,valuediff", "--budgets", "128", "--block-size", "64",
+               "--batch-size", "2", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0
+    folder = out / "ruler" / "smollm2-135m" / "paper" / "L512"
+    for name in ("predictions.jsonl", "run.json", "summary.md", "summary.csv", "retention.png"):
+        assert (folder / name).is_file(), name
+    records = _lines(folder / "predictions.jsonl")
+    assert len(records) == 4
+    assert {(r["policy"], r["budget"]) for r in records} == {("dense", None), ("valuediff", 128)}
+    assert all(0.0 <= r["score"] <= 1.0 and r["task"] == "niah_single_1" for r in records)
+    assert all(r["input_tokens"] <= 600 and r["new_tokens"] >= 1 and r["batch"] == 2 for r in records)
+    assert "valuediff" in printed and "dense" in printed and "summary" in printed
