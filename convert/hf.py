@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
-from vdjax.models.config import ModelConfig, from_hf_config
+from vdjax.models.config import ModelConfig, from_hf_config, resolve_architecture
 from vdjax.models.params import Params
 
 Transform = Callable[[Any, ModelConfig], Any]
@@ -88,25 +88,57 @@ def _model_rows(p: str) -> list[Row]:
     ]
 
 
-LLAMA_ROWS: list[Row] = _model_rows("model.") + _layer_rows("model.") + [
+def _qkv_bias_rows(p: str) -> list[Row]:
+    """q/k/v projection biases (Qwen2/2.5) and the o_proj bias [H] (Llama/Qwen3 with attention_bias)."""
+    return [(p + f"layers.{{i}}.self_attn.{n}_proj.bias", f"layers.b{n}", heads_bias) for n in "qkv"] + [
+        (p + "layers.{i}.self_attn.o_proj.bias", "layers.bo", keep)]
+
+
+def _qk_norm_rows(p: str) -> list[Row]:
+    """Per-head RMSNorm weights [D] on q and k (Qwen3, Gemma3)."""
+    return [(p + f"layers.{{i}}.self_attn.{n}_norm.weight", f"layers.{n}_norm", keep) for n in "qk"]
+
+
+def _gemma_norm_rows(p: str) -> list[Row]:
+    """Gemma's four norms: pre/post attention, pre/post MLP (post_attention_layernorm is *post*-attention)."""
+    layer = p + "layers.{i}."
+    return [
+        (layer + "post_attention_layernorm.weight", "layers.post_attn_norm", keep),
+        (layer + "pre_feedforward_layernorm.weight", "layers.mlp_norm", keep),
+        (layer + "post_feedforward_layernorm.weight", "layers.post_mlp_norm", keep),
+    ]
+
+
+LLAMA_ROWS: list[Row] = _model_rows("model.") + _layer_rows("model.") + _qkv_bias_rows("model.") + [
     ("model.layers.{i}.post_attention_layernorm.weight", "layers.mlp_norm", keep),
 ]
-# Rows the next families add (their targets exist only when a config switch asks, see weight_shapes):
-QKV_BIAS_ROWS: list[Row] = [  # Qwen2 / Qwen2.5
-    ("model.layers.{i}.self_attn.q_proj.bias", "layers.bq", heads_bias),
-    ("model.layers.{i}.self_attn.k_proj.bias", "layers.bk", heads_bias),
-    ("model.layers.{i}.self_attn.v_proj.bias", "layers.bv", heads_bias),
-]
-QK_NORM_ROWS: list[Row] = [  # Qwen3, Gemma3
-    ("model.layers.{i}.self_attn.q_norm.weight", "layers.q_norm", keep),
-    ("model.layers.{i}.self_attn.k_norm.weight", "layers.k_norm", keep),
-]
+QWEN_ROWS: list[Row] = LLAMA_ROWS + _qk_norm_rows("model.")  # rows a config lacks
+GEMMA_ROWS: list[Row] = (_model_rows("model.") + _layer_rows("model.") + _gemma_norm_rows("model.")
+                         + _qk_norm_rows("model."))
 
-# Keyed by config.json `architectures[0]`. Gemma2/3 will map post_attention_layernorm to a post-attention norm
-# and pre/post_feedforward_layernorm to mlp_norm / post_mlp_norm; the multimodal Gemma3 checkpoint is the same
-# rows under the "model.language_model." prefix (`_model_rows("model.language_model.")`).
-TABLES: dict[str, list[Row]] = {
+
+def _gemma3_mm_rows(p: str) -> list[Row]:
+    """The multimodal Gemma3 checkpoint: the text model's rows under prefix `p`; the vision tower and the
+    projector are read by nobody here (`{*}` matches any rest of the key)."""
+    head = "language_model.lm_head.weight" if p.startswith("language_model.") else "lm_head.weight"
+    rows = _model_rows(p) + _layer_rows(p) + _gemma_norm_rows(p) + _qk_norm_rows(p)
+    rows = [(head if key == "lm_head.weight" else key, t, fn) for key, t, fn in rows]
+    top = "" if p.startswith("language_model.") else "model."
+    return rows + [(top + "vision_tower.{*}", None, None), (top + "multi_modal_projector.{*}", None, None)]
+
+
+# Keyed by config.json `architectures[0]`; a row whose target the config does not ask for (e.g. biases of a
+# Qwen3 without attention_bias) makes its key "unexpected" if the file has it, "missing" never.
+TABLES: dict[str, list[Row] | tuple[list[Row], ...]] = {
     "LlamaForCausalLM": LLAMA_ROWS,
+    "Qwen2ForCausalLM": QWEN_ROWS,
+    "Qwen3ForCausalLM": QWEN_ROWS,
+    "Gemma2ForCausalLM": GEMMA_ROWS,
+    "Gemma3ForCausalLM": GEMMA_ROWS,
+    # transformers >= 4.52 in memory / older saves: model.language_model.*; transformers 5 (and the Hub's
+    # google/gemma-3-*-it) write language_model.model.*: the rows that match more of the file's keys win.
+    "Gemma3ForConditionalGeneration": (_gemma3_mm_rows("model.language_model."),
+                                       _gemma3_mm_rows("language_model.model.")),
 }
 
 
@@ -131,16 +163,21 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["lm_head"] = (cfg.vocab_size, h)
     if cfg.qkv_bias:
         shapes.update({"layers.bq": (nq, d), "layers.bk": (nk, d), "layers.bv": (nk, d)})
+    if cfg.o_bias:
+        shapes["layers.bo"] = (h,)
     if cfg.qk_norm:
         shapes.update({"layers.q_norm": (d,), "layers.k_norm": (d,)})
+    if cfg.post_norms:
+        shapes.update({"layers.post_attn_norm": (h,), "layers.post_mlp_norm": (h,)})
     return shapes
 
 
 # ---- reading ----
 def _compile(rows: list[Row]) -> list[tuple[re.Pattern, Row]]:
     """Each row's pattern as an anchored regex with the layer index captured."""
-    layer = re.escape("{i}")
-    return [(re.compile(re.escape(p).replace(layer, r"(\d+)") + r"\Z"), (p, t, fn)) for p, t, fn in rows]
+    layer, rest = re.escape("{i}"), re.escape("{*}")
+    return [(re.compile(re.escape(p).replace(layer, r"(\d+)").replace(rest, r".*") + r"\Z"), (p, t, fn))
+            for p, t, fn in rows]
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -241,11 +278,13 @@ def _set(tree: dict, path: str, value: Any) -> None:
 
 
 def load_weights(
-    path: str | Path, cfg: ModelConfig, rows: list[Row], dtype: Any = jnp.float32
+    path: str | Path, cfg: ModelConfig, rows: list[Row] | tuple[list[Row], ...], dtype: Any = jnp.float32
 ) -> dict[str, Any]:
     """The weights dict of the safetensors in folder `path`, mapped by `rows`, checked against `cfg`, cast."""
     path = Path(path)
     headers = _headers(_weight_files(path))
+    if isinstance(rows, tuple):  # alternative key layouts of one architecture: take the best-matching one
+        rows = max(rows, key=lambda r: sum(any(rx.match(k) for rx, _ in _compile(r)) for k in headers))
     plan = _plan(path, cfg, rows, headers)
     dtype = np.dtype(dtype)
     if cfg.tie_embeddings and "lm_head" in plan:
@@ -277,7 +316,7 @@ def load_hf_checkpoint(path: str | Path, dtype: Any = jnp.float32) -> Params:
         raise ValueError(f"checkpoint {path}: no config.json (expected an HF checkpoint folder)")
     hf_config = json.loads((path / "config.json").read_text())
     cfg = from_hf_config(hf_config)  # refuses unsupported architectures and math it cannot reproduce
-    arch = (hf_config.get("architectures") or [None])[0]
+    arch = resolve_architecture(hf_config)
     if arch not in TABLES:
         raise ValueError(
             f"checkpoint {path}: no weight table for architecture {arch!r}; have {sorted(TABLES)}"

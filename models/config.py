@@ -5,8 +5,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
-_MODEL_TYPES = {"llama": "LlamaForCausalLM"}  # used when config.json has no `architectures`
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration",  # its text model only (weights under model.language_model.*)
+)
+_MODEL_TYPES = {  # used when config.json has no `architectures`
+    "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForConditionalGeneration",
+}
+_FAMILIES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+             "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3", "Gemma3ForConditionalGeneration": "gemma3"}
 
 # HF config attributes that do not change the forward math (bookkeeping, training-only, I/O flags).
 _IGNORED_KEYS = frozenset(
@@ -14,7 +22,8 @@ _IGNORED_KEYS = frozenset(
         "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "_name_or_path",
         "output_hidden_states", "output_attentions", "return_dict", "use_cache", "initializer_range",
         "attention_dropout", "pretraining_tp", "chunk_size_feed_forward", "is_encoder_decoder", "id2label",
-        "label2id", "problem_type", "bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings",
+        "label2id", "problem_type", "bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id",
+        "max_position_embeddings",
         "tie_word_embeddings", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
         "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling",
         "rope_parameters", "hidden_act", "attention_bias", "mlp_bias", "tokenizer_class", "quantization_config",
@@ -28,16 +37,24 @@ _IGNORED_KEYS = frozenset(
         "output_scores", "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id",
         "remove_invalid_values", "exponential_decay_length_penalty", "chat_template", "embedding_dropout",
         "resid_pdrop", "attn_pdrop", "embd_pdrop",
+        # read by the family-specific code below (each is checked there when it changes the math)
+        "hidden_activation", "query_pre_attn_scalar", "sliding_window", "layer_types", "use_sliding_window",
+        "max_window_layers", "attn_logit_softcapping", "final_logit_softcapping", "rope_local_base_freq",
+        "sliding_window_pattern", "cache_implementation", "use_bidirectional_attention",
     }
 )
-_ROPE_TYPES = ("default", "llama3")
+_ROPE_TYPES = ("default", "llama3", "linear")
+# Gemma3ForConditionalGeneration's top level: the vision tower and projector, which text generation never runs.
+_MULTIMODAL_KEYS = frozenset({"text_config", "vision_config", "mm_tokens_per_image", "boi_token_index",
+                              "eoi_token_index", "image_token_index", "image_token_id", "initializer_range"})
+_GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Static description of a decoder-only transformer (hashable: a valid jit static argument)."""
 
-    family: str  # "llama"
+    family: str  # "llama" | "qwen2" | "qwen3" | "gemma2" | "gemma3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -46,21 +63,24 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
+    rope_theta: float = 10000.0  # global (full-attention) layers
     # (("rope_type", "llama3"), ("factor", 8.0), ...) as a sorted tuple of items, or None.
     rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    local_rope_theta: float | None = None  # sliding layers, when they differ (Gemma3: 10k local / 1M global)
+    local_rope_scaling: tuple[tuple[str, Any], ...] | None = None
     tie_embeddings: bool = False
     mlp_act: str = "silu"  # gated MLP activation: "silu" | "gelu_tanh"
     norm_offset: float = 0.0  # RMSNorm weight is (norm_offset + w): 1.0 for Gemma
     embed_scale: bool = False  # multiply embeddings by sqrt(hidden_size) (Gemma)
-    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3, Gemma3)
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3 plain w, Gemma3 (1 + w))
     attn_softcap: float | None = None
     final_softcap: float | None = None
     query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (default head_dim)
     layer_types: tuple[str, ...] = ()  # "full_attention" | "sliding_attention" per layer
     sliding_window: int | None = None
-    post_norms: bool = False  # extra norms after attention and MLP (Gemma2/3)
-    qkv_bias: bool = False
+    post_norms: bool = False  # norms on the attention and MLP outputs before the residual add (Gemma2/3)
+    qkv_bias: bool = False  # q/k/v projection biases (Qwen2; Llama/Qwen3 with attention_bias)
+    o_bias: bool = False  # output projection bias (Llama/Qwen3 with attention_bias)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
@@ -69,6 +89,13 @@ class ModelConfig:
     def __post_init__(self):
         if not self.layer_types:
             object.__setattr__(self, "layer_types", ("full_attention",) * self.num_layers)
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        bad = sorted(set(self.layer_types) - {"full_attention", "sliding_attention"})
+        if bad:
+            raise ValueError(f"layer_types {bad} not handled; allowed: 'full_attention', 'sliding_attention'")
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ValueError("layer_types has sliding layers but sliding_window is not set")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
@@ -89,6 +116,16 @@ class ModelConfig:
         """RoPE scaling parameters as a dict ({} for plain RoPE)."""
         return dict(self.rope_scaling or ())
 
+    def window(self, layer: int) -> int | None:
+        """The sliding window W of `layer` (q_pos - kv_pos < W is visible), or None for a global layer."""
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    def rope(self, layer: int) -> tuple[float, dict[str, Any]]:
+        """(theta, scaling dict) of `layer`: the local pair on sliding layers where the config has one."""
+        if self.layer_types[layer] == "sliding_attention" and self.local_rope_theta is not None:
+            return self.local_rope_theta, dict(self.local_rope_scaling or ())
+        return self.rope_theta, self.rope_scaling_dict
+
 
 def _freeze(value: Any) -> Any:
     """Lists/dicts -> tuples so the config stays hashable."""
@@ -99,24 +136,49 @@ def _freeze(value: Any) -> Any:
     return value
 
 
-def _rope_settings(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(theta, scaling dict or None) from either `rope_parameters` (transformers 5) or `rope_theta`/`rope_scaling`."""
+def _one_rope(params: Mapping[str, Any], default_theta: float) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling dict or None) of one rope_parameters/rope_scaling dict."""
+    params = dict(params)
+    theta = float(params.pop("rope_theta", default_theta))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    return theta, (None if rope_type == "default" else params)
+
+
+def _rope_settings(hf: Mapping[str, Any], arch: str):
+    """((theta, scaling), (local theta, local scaling) or None) from `rope_parameters` (transformers 5, maybe
+    nested per layer type) or the older `rope_theta`/`rope_scaling`/`rope_local_base_freq`."""
     params = hf.get("rope_parameters")
+    base = float(hf.get("rope_theta", 1_000_000.0 if arch.startswith("Gemma3") else 10000.0))
+    if params and ("full_attention" in params or "sliding_attention" in params):
+        full = _one_rope(params.get("full_attention") or {}, base)
+        local = _one_rope(params.get("sliding_attention") or {}, float(hf.get("rope_local_base_freq", 10000.0)))
+        return full, local
     if params:
-        params = dict(params)
-        theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        return theta, (None if rope_type == "default" else params)
-    scaling = hf.get("rope_scaling")
-    if scaling:
-        scaling = dict(scaling)
-        if scaling.get("rope_type", scaling.get("type", "default")) == "default":
-            scaling = None
-    return float(hf.get("rope_theta", 10000.0)), scaling
+        full = _one_rope(params, base)
+    else:
+        full = (base, None)
+        scaling = hf.get("rope_scaling")
+        if scaling:
+            full = _one_rope(dict(scaling) | {"rope_theta": base}, base)
+    if arch.startswith("Gemma3"):  # older Gemma3 configs: rope_scaling is global-only, local base separate
+        return full, (float(hf.get("rope_local_base_freq", 10000.0)), None)
+    return full, None
 
 
-def from_hf_config(hf: Mapping[str, Any]) -> ModelConfig:
-    """Build a ModelConfig from a parsed HF config.json; refuse architectures or math it does not handle."""
+def _check_scaling(scaling, problems: list[str]):
+    """Normalise a scaling dict (rope_type key) and record an unhandled rope type."""
+    if scaling is None:
+        return None
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+    if rope_type not in _ROPE_TYPES:
+        problems.append(f"rope type {rope_type!r} (handled: {_ROPE_TYPES})")
+    scaling = {k: v for k, v in scaling.items() if k != "type"}
+    scaling["rope_type"] = rope_type
+    return _freeze(scaling)
+
+
+def resolve_architecture(hf: Mapping[str, Any]) -> str:
+    """The architecture name of a config.json (its `architectures[0]`, else from `model_type`); refuse others."""
     archs = tuple(hf.get("architectures") or ())
     model_type = hf.get("model_type", "<none>")
     arch = archs[0] if archs else _MODEL_TYPES.get(model_type, model_type)
@@ -124,45 +186,99 @@ def from_hf_config(hf: Mapping[str, Any]) -> ModelConfig:
         raise ValueError(
             f"unsupported architecture {arch!r} (config.json 'architectures'); supported: {SUPPORTED_ARCHITECTURES}"
         )
+    return arch
+
+
+def _layer_types(hf: Mapping[str, Any], family: str, layers: int) -> tuple[str, ...]:
+    """Per-layer attention kind from `layer_types`, else the family's rule (Gemma patterns, Qwen max_window_layers)."""
+    if family in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+        return ("full_attention",) * layers  # HF ignores layer_types' sliding entries then (window is None)
+    if hf.get("layer_types"):
+        return tuple(hf["layer_types"])
+    if family == "gemma2":
+        return tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers))
+    if family == "gemma3":
+        every = int(hf.get("sliding_window_pattern", 6))
+        return tuple("sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers))
+    if family in ("qwen2", "qwen3"):
+        first = int(hf.get("max_window_layers", layers))
+        return tuple("sliding_attention" if i >= first else "full_attention" for i in range(layers))
+    return ("full_attention",) * layers
+
+
+def from_hf_config(hf: Mapping[str, Any]) -> ModelConfig:
+    """Build a ModelConfig from a parsed HF config.json; refuse architectures or math it does not handle."""
+    arch = resolve_architecture(hf)
+    outer = hf
+    if arch == "Gemma3ForConditionalGeneration":
+        hf = dict(hf.get("text_config") or {})
+        if not hf:
+            raise ValueError("Gemma3ForConditionalGeneration config.json has no text_config")
+    family = _FAMILIES[arch]
+    gemma = family.startswith("gemma")
     problems = []
-    if hf.get("hidden_act", "silu") != "silu":
-        problems.append(f"hidden_act={hf.get('hidden_act')!r} (only 'silu' is handled for {arch})")
-    if hf.get("attention_bias", False):
-        problems.append("attention_bias=True (Llama q/k/v/o biases are not handled)")
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
+    if act not in (_GELU_TANH if gemma else ("silu",)):
+        problems.append(f"hidden_act={act!r} (handled for {arch}: {_GELU_TANH if gemma else ('silu',)})")
+    if hf.get("attention_bias", False) and gemma:
+        problems.append(f"attention_bias=True (not handled for {arch})")
     if hf.get("mlp_bias", False):
         problems.append("mlp_bias=True (MLP biases are not handled)")
-    theta, scaling = _rope_settings(hf)
-    if scaling is not None:
-        rope_type = scaling.get("rope_type", scaling.get("type"))
-        if rope_type not in _ROPE_TYPES:
-            problems.append(f"rope type {rope_type!r} (handled: {_ROPE_TYPES})")
-        scaling = {k: v for k, v in scaling.items() if k != "type"}
-        scaling["rope_type"] = rope_type
+    if hf.get("use_bidirectional_attention"):
+        problems.append("use_bidirectional_attention=True (vdjax is causal)")
+    if not gemma and (hf.get("attn_logit_softcapping") or hf.get("final_logit_softcapping")):
+        problems.append(f"logit softcapping for {arch} (only Gemma's is handled)")
+    if not gemma and hf.get("query_pre_attn_scalar"):
+        problems.append(f"query_pre_attn_scalar for {arch} (only Gemma's is handled)")
+    (theta, scaling), local = _rope_settings(hf, arch)
+    scaling = _check_scaling(scaling, problems)
+    local_theta, local_scaling = (None, None) if local is None else (local[0], _check_scaling(local[1], problems))
     unknown = sorted(k for k in hf if k not in _IGNORED_KEYS and not k.startswith("_"))
+    if outer is not hf:
+        unknown += sorted(k for k in outer if k not in _IGNORED_KEYS and not k.startswith("_")
+                          and k not in _MULTIMODAL_KEYS)
     for key in unknown:
-        if hf[key] not in (None, False, 0, "", [], {}):
-            problems.append(f"{key}={hf[key]!r} (attribute not understood by the {arch} converter)")
+        if hf.get(key, outer.get(key)) not in (None, False, 0, "", [], {}):
+            problems.append(f"{key}={hf.get(key, outer.get(key))!r} (attribute not understood by the {arch} "
+                            "converter)")
     if problems:
         raise ValueError("config.json has settings vdjax cannot reproduce exactly: " + "; ".join(problems))
 
     heads = int(hf["num_attention_heads"])
-    eos = hf.get("eos_token_id")
+    layers = int(hf["num_hidden_layers"])
+    types = _layer_types(hf, family, layers)
+    eos = hf.get("eos_token_id", outer.get("eos_token_id"))
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
     return ModelConfig(
-        family="llama",
+        family=family,
         vocab_size=int(hf["vocab_size"]),
         hidden_size=int(hf["hidden_size"]),
         intermediate_size=int(hf["intermediate_size"]),
-        num_layers=int(hf["num_hidden_layers"]),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(hf.get("num_key_value_heads") or heads),
         head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6 if gemma else 1e-5)),
         rope_theta=theta,
-        rope_scaling=_freeze(scaling) if scaling else None,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        bos_token_id=hf.get("bos_token_id"),
+        rope_scaling=scaling,
+        local_rope_theta=local_theta,
+        local_rope_scaling=local_scaling,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", outer.get("tie_word_embeddings", gemma))),
+        mlp_act="gelu_tanh" if gemma else "silu",
+        norm_offset=1.0 if gemma else 0.0,
+        embed_scale=gemma,
+        qk_norm=family in ("qwen3", "gemma3"),
+        attn_softcap=float(hf["attn_logit_softcapping"]) if gemma and hf.get("attn_logit_softcapping") else None,
+        final_softcap=float(hf["final_logit_softcapping"]) if gemma and hf.get("final_logit_softcapping") else None,
+        query_pre_attn_scalar=float(hf["query_pre_attn_scalar"]) if gemma and hf.get("query_pre_attn_scalar")
+        else None,
+        layer_types=types,
+        sliding_window=int(hf["sliding_window"]) if "sliding_attention" in types else None,
+        post_norms=gemma,
+        qkv_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
+        o_bias=bool(hf.get("attention_bias", False)),
+        bos_token_id=hf.get("bos_token_id", outer.get("bos_token_id")),
         eos_token_ids=eos_ids,
-        pad_token_id=hf.get("pad_token_id"),
+        pad_token_id=hf.get("pad_token_id", outer.get("pad_token_id")),
         max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
     )

@@ -27,15 +27,18 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float, offset: float = 0.0) -> jax
     return w * x32.astype(x.dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig, theta: float | None = None) -> np.ndarray:
-    """Inverse RoPE frequencies [D/2] in fp32, with llama3 scaling applied when the config asks for it."""
+def rope_inv_freq(cfg: ModelConfig, theta: float | None = None, scaling: dict | None = None) -> np.ndarray:
+    """Inverse RoPE frequencies [D/2] in fp32 for `theta` (default the global one) with llama3 or linear
+    scaling applied when `scaling` (default the global one) asks for it."""
     theta = cfg.rope_theta if theta is None else theta
+    scaling = cfg.rope_scaling_dict if scaling is None else scaling
     dim = cfg.head_dim
     inv = (1.0 / (np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))).astype(
         np.float32
     )
-    scaling = cfg.rope_scaling_dict
-    if scaling.get("rope_type") == "llama3":
+    if scaling.get("rope_type") == "linear":
+        inv = (inv / np.float32(scaling["factor"])).astype(np.float32)
+    elif scaling.get("rope_type") == "llama3":
         factor = scaling["factor"]
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
         old_len = scaling["original_max_position_embeddings"]
@@ -68,10 +71,19 @@ def embed(params: Params, ids: jax.Array) -> jax.Array:
 
 
 def project_qkv(lw: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig, inv_freq: jax.Array):
-    """Project normed hidden states [B, S, H] to q [B, S, Nq, D], k and v [B, S, K, D]; RoPE applied to q, k."""
+    """Project normed hidden states [B, S, H] to q [B, S, Nq, D], k and v [B, S, K, D].
+
+    Biases added where the family has them (Qwen2), per-head q/k RMSNorm where it has it (Qwen3, Gemma3),
+    then RoPE on q and k.
+    """
     q = jnp.einsum("bsh,hnd->bsnd", x, lw["wq"])
     k = jnp.einsum("bsh,hkd->bskd", x, lw["wk"])
     v = jnp.einsum("bsh,hkd->bskd", x, lw["wv"])
+    if cfg.qkv_bias:
+        q, k, v = q + lw["bq"], k + lw["bk"], v + lw["bv"]
+    if cfg.qk_norm:
+        q = rms_norm(q, lw["q_norm"], cfg.rms_norm_eps, cfg.norm_offset)
+        k = rms_norm(k, lw["k_norm"], cfg.rms_norm_eps, cfg.norm_offset)
     return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
@@ -145,9 +157,16 @@ def layer_forward(
     k_new, v_new = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, S, D]
     o, probs = attend(q, q_pos, k_cache, v_cache, pos_cache, k_new, v_new, cfg, window)
     b, s, nq, d = o.shape  # flatten heads so XLA transposes the small activation, not the weight
-    x = x + jnp.einsum("bsx,xh->bsh", o.reshape(b, s, nq * d), lw["wo"].reshape(nq * d, -1))
-    x = x + mlp(lw, rms_norm(x, lw["mlp_norm"], eps, off), cfg)
-    return x, k_new, v_new, probs
+    a = jnp.einsum("bsx,xh->bsh", o.reshape(b, s, nq * d), lw["wo"].reshape(nq * d, -1))
+    if cfg.o_bias:
+        a = a + lw["bo"]
+    if cfg.post_norms:
+        a = rms_norm(a, lw["post_attn_norm"], eps, off)
+    x = x + a
+    m = mlp(lw, rms_norm(x, lw["mlp_norm"], eps, off), cfg)
+    if cfg.post_norms:
+        m = rms_norm(m, lw["post_mlp_norm"], eps, off)
+    return x + m, k_new, v_new, probs
 
 
 def final_logits(params: Params, x: jax.Array) -> jax.Array:
@@ -163,12 +182,15 @@ def final_logits(params: Params, x: jax.Array) -> jax.Array:
 
 def layer_settings(cfg: ModelConfig, layer: int) -> tuple[np.ndarray, int | None]:
     """(inverse RoPE frequencies [D/2], sliding window or None) of one layer."""
-    sliding = cfg.layer_types[layer] == "sliding_attention" and cfg.sliding_window
-    return rope_inv_freq(cfg), (cfg.sliding_window if sliding else None)
+    theta, scaling = cfg.rope(layer)
+    return rope_inv_freq(cfg, theta, scaling), cfg.window(layer)
 
 
-def forward(params: Params, ids: jax.Array) -> jax.Array:
-    """Plain dense causal forward of ids [B, T] -> fp32 logits [B, T, V] (no cache, no eviction)."""
+def forward(params: Params, ids: jax.Array, logits_at: jax.Array | None = None) -> jax.Array:
+    """Plain dense causal forward of ids [B, T] -> fp32 logits [B, T, V] (no cache, no eviction).
+
+    `logits_at` [P] (positions) computes the LM head there only -> [B, P, V] (large vocabularies, long T).
+    """
     cfg = params.config
     b, t = ids.shape
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -179,4 +201,4 @@ def forward(params: Params, ids: jax.Array) -> jax.Array:
     for i, lw in enumerate(params.weights["layers"]):
         inv_freq, window = layer_settings(cfg, i)
         x, _, _, _ = layer_forward(lw, x, pos, empty_kv, empty_kv, empty_pos, cfg, jnp.asarray(inv_freq), window)
-    return final_logits(params, x)
+    return final_logits(params, x if logits_at is None else x[:, logits_at])

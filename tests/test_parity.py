@@ -84,3 +84,34 @@ def test_smollm2_matches_hf_over_600_tokens(smollm2):
     # block prefill with N >= T (no eviction) equals dense, for an eviction policy
     _, last = vdjax.prefill(params, ids, policy="valuediff", budget=ids.shape[1], block_size=128)
     assert rel_err(last, ref[:, -1]) < 1e-4
+
+
+@pytest.fixture(scope="module")
+def gemma3(gemma3_dir):
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        gemma3_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    return vdjax.load(gemma3_dir), model, vdjax.load_tokenizer(gemma3_dir)
+
+
+def test_gemma3_270m_matches_hf_across_the_sliding_window(gemma3):
+    """Real Gemma3-270M (5 sliding : 1 global, W=512, qk-norm, local/global RoPE) over 1100 tokens, so the
+    sliding layers' window matters; logits compared at every 8th position and the last 64 (vocab 262k)."""
+    params, model, tok = gemma3
+    from pydoc_data.topics import topics
+
+    torch.set_num_threads(2)
+    text = "\n".join(topics[k] for k in sorted(topics)[:12])
+    ids = np.asarray(tok(text)["input_ids"][:1100])[None]
+    t = ids.shape[1]
+    assert t == 1100 and ids[0, 0] == params.config.bos_token_id and params.config.sliding_window == 512
+    at = np.unique(np.r_[0:t:8, t - 64:t])
+    with torch.no_grad():
+        ref = model(torch.tensor(ids), logits_to_keep=torch.tensor(at)).logits.float().numpy()
+    got = np.asarray(tf.forward(params, jnp.asarray(ids), logits_at=jnp.asarray(at)))
+    err = rel_err(got, ref)
+    assert err < 1e-4, err
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+    assert (got.argmax(-1) == ref.argmax(-1)).mean() > 0.99
+    for policy, budget in (("dense", None), ("valuediff", t)):  # block prefill with N >= T equals dense
+        _, last = vdjax.prefill(params, ids, policy=policy, budget=budget, block_size=128)
+        assert rel_err(last, ref[:, -1]) < 1e-4, policy

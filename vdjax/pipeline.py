@@ -49,14 +49,16 @@ def _eviction_plan(policy: Policy, hyper, lc: LayerCache, k_new, v_new, probs, q
     n = lc.pos.shape[-1]
     new_pos = jnp.broadcast_to(q_pos[:, None, :], (b, kh, s))  # [B, K, S]
 
+    last_pos = jnp.max(q_pos, axis=1)[:, None, None]  # [B, 1, 1]
+
+    def drop_dead(p):  # sliding layer: a token no future query can see is dead -> empty (never kept)
+        return p if window is None else jnp.where(last_pos + 1 - p >= window, -1, p)
+
     if policy.is_dense:  # the cache is indexed by position: slot = absolute position
         dest = jnp.where(new_pos >= 0, new_pos, n)
-        return dest, scatter_slots(lc.pos, dest, new_pos), lc.acc
+        return dest, drop_dead(scatter_slots(lc.pos, dest, new_pos)), lc.acc
 
-    last_pos = jnp.max(q_pos, axis=1)[:, None, None]  # [B, 1, 1]
-    cand_pos = jnp.concatenate([lc.pos, new_pos], axis=-1)  # [B, K, C]
-    if window is not None:  # sliding layer: a token no future query can see is dead -> empty (never kept)
-        cand_pos = jnp.where(last_pos + 1 - cand_pos >= window, -1, cand_pos)
+    cand_pos = drop_dead(jnp.concatenate([lc.pos, new_pos], axis=-1))  # [B, K, C]
     acc = jnp.concatenate([lc.acc, jnp.zeros((b, kh, s), jnp.float32)], axis=-1)
     if policy.accumulates:
         valid_q = (q_pos >= 0).astype(jnp.float32)[:, None, :, None]  # [B, 1, S, 1]
