@@ -8,7 +8,8 @@ reference column. A cell is the mean score (0-100) over tasks of each task's mea
 RULER/LongBench report) and the retention in % of dense. Retention compares a policy with dense on the samples
 both have (on complete results: the ratio of the two cells), "n/a" when dense scores 0. The best evicting
 policy of a row (highest retention; highest score where no retention exists) is bold in Markdown and named in
-the CSV's `best` column. A per-task table follows. Missing results show as "—" (empty in the CSV).
+the CSV's `best` column. A per-task table follows. Missing results show as "—" (empty in the CSV). A budget
+run as a fraction of the mean dense generation length (MATH-500) shows as "25% (N=256)".
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class Row:
     dense: Cell
     cells: dict[str, Cell]
     best: list[str]
+    fraction: float | None = None  # the budget as a fraction of the mean dense generation length, if run so
 
 
 @dataclasses.dataclass
@@ -129,9 +131,12 @@ def _rows(records: list[dict]) -> tuple[list[Row], list[Row], list[str]]:
     """Overall rows and per-task rows of every (benchmark, protocol, length, model)."""
     # scores[(group, model)][(policy, budget)][task][sample_id] = score
     scores: dict[tuple, dict[tuple, dict[str, dict[str, float]]]] = {}
+    fractions: dict[tuple, set] = {}  # (group, model, budget) -> budget_fraction values of its records
     for r in records:
         gm = (r["benchmark"], r["protocol"], r["length"], r["model"])
         cfg = ("dense", None) if r["policy"] == "dense" else (r["policy"], r["budget"])
+        if r["policy"] != "dense" and r.get("budget_fraction") is not None:
+            fractions.setdefault(gm + (r["budget"],), set()).add(r["budget_fraction"])
         by_task = scores.setdefault(gm, {}).setdefault(cfg, {}).setdefault(r["task"], {})
         by_task[r["sample_id"]] = float(r["score"])
     policies = _policy_order(p for by_cfg in scores.values() for p, _ in by_cfg)
@@ -144,6 +149,8 @@ def _rows(records: list[dict]) -> tuple[list[Row], list[Row], list[str]]:
         for task in [ALL_TASKS] + tasks:
             for budget in budgets:
                 row = _row(gm, task, budget, dense, by_cfg, policies)
+                fr = fractions.get(gm + (budget,), set())
+                row.fraction = next(iter(fr)) if len(fr) == 1 else None
                 (rows if task == ALL_TASKS else task_rows).append(row)
     task_rows.sort(key=lambda r: (r.benchmark, r.protocol, r.length, r.model, r.task, r.budget or 0))
     return rows, task_rows, policies
@@ -208,8 +215,11 @@ def _retention_text(cell: Cell) -> str:
     return "n/a" if cell.retention is None else f"{cell.retention:.1f}%"
 
 
-def _budget_text(budget) -> str:
-    return MISSING if budget is None else str(budget)
+def _budget_text(row: Row) -> str:
+    """The budget column: "N", "25% (N=256)" for a budget run as a fraction of dense, "—" for none."""
+    if row.budget is None:
+        return MISSING
+    return str(row.budget) if row.fraction is None else f"{100 * row.fraction:g}% (N={row.budget})"
 
 
 def _markdown(rows: list[Row], task_rows: list[Row], policies: list[str]) -> str:
@@ -224,14 +234,14 @@ def _markdown(rows: list[Row], task_rows: list[Row], policies: list[str]) -> str
         out.append("| model | budget | " + " | ".join(cols) + " |")
         out.append("|---|---:|" + "---:|" * len(cols))
         for r in (r for r in rows if (r.benchmark, r.protocol, r.length) == g):
-            out.append(f"| {r.model} | {_budget_text(r.budget)} | "
+            out.append(f"| {r.model} | {_budget_text(r)} | "
                        + " | ".join(cell_text(r, c) for c in cols) + " |")
         out.append("")
         out.append("Per task:\n")
         out.append("| model | task | budget | " + " | ".join(cols) + " |")
         out.append("|---|---|---:|" + "---:|" * len(cols))
         for r in (r for r in task_rows if (r.benchmark, r.protocol, r.length) == g):
-            out.append(f"| {r.model} | {r.task} | {_budget_text(r.budget)} | "
+            out.append(f"| {r.model} | {r.task} | {_budget_text(r)} | "
                        + " | ".join(cell_text(r, c) for c in cols) + " |")
         out.append("")
     out.append("Retention compares each policy with dense on the samples both have; n/a: dense scores 0 "
@@ -245,7 +255,8 @@ def _num(x: float | None) -> str:
 
 def _write_csv(path: Path, rows: list[Row], policies: list[str]) -> None:
     """summary.csv: overall rows (task "all") then per-task rows; score, retention and count per policy."""
-    header = ["benchmark", "protocol", "length", "model", "task", "budget", "dense", "dense_n"]
+    header = ["benchmark", "protocol", "length", "model", "task", "budget", "budget_fraction", "dense",
+              "dense_n"]
     for p in policies:
         header += [p, f"{p}_retention", f"{p}_n"]
     header.append("best")
@@ -254,7 +265,7 @@ def _write_csv(path: Path, rows: list[Row], policies: list[str]) -> None:
         w.writerow(header)
         for r in rows:
             line = [r.benchmark, r.protocol, r.length, r.model, r.task, "" if r.budget is None else r.budget,
-                    _num(r.dense.score), r.dense.n]
+                    "" if r.fraction is None else r.fraction, _num(r.dense.score), r.dense.n]
             for p in policies:
                 c = r.cells.get(p)
                 if c is None:
@@ -330,7 +341,7 @@ def rich_tables(summary: Summary) -> list:
         for c in cols:
             t.add_column(c, justify="right")
         for r in (r for r in summary.rows if (r.benchmark, r.protocol, r.length) == g):
-            t.add_row(r.model, _budget_text(r.budget),
+            t.add_row(r.model, _budget_text(r),
                       *(cell_text(r, c, ("[bold green]", "[/]")) for c in cols))
         tables.append(t)
     return tables

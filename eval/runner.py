@@ -7,7 +7,15 @@
 Each line is one (sample, policy, budget): written, flushed and fsynced as soon as it is scored, so a crash
 loses at most the result being written. A rerun into the same folder reads the file, drops a torn last line
 and skips every (task, sample_id, policy, budget, protocol) it already holds. Dense runs once per sample with
-`budget` null. Decoding is greedy and stops at the model's EOS.
+`budget` null. Decoding is greedy and stops at the model's EOS, and for a sample with
+`extra["stop_at_newline"]` (LongBench samsum) also at the newline token (`newline_ids`); the first new token is
+always kept, but unlike pred.py's `min_length` it may itself be the newline (vdjax.run has no logit mask).
+
+Budgets are either all integers >= 1 (cache slots per KV head) or all fractions in (0, 1) of the average dense
+generation length (MATH-500, Appendix F): then every dense run finishes first, the integer budgets follow from
+the recorded dense `new_tokens` with `vdjax.eval.math500.fraction_budgets` (mean over every sample of the run,
+rounded to the nearest power of two), and each evicting record keeps `budget` (that integer) and
+`budget_fraction`.
 
 Protocols (see `vdjax.eval.sample`): `paper` block-prefills context + question; `question_agnostic`
 block-prefills the context only and appends the question afterwards (`vdjax.run(..., question=...)`).
@@ -22,6 +30,7 @@ import json
 import os
 import platform
 import subprocess
+import warnings
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -35,9 +44,9 @@ RUN_FIELDS = ("benchmark", "model", "length", "seed", "protocol", "block_size")
 # prefill_s / decode_s: wall time of the whole batch's call (`batch` rows), jit compilation taken out
 # (compile_s); prefill_s is the time to the first token.
 RECORD_FIELDS = (
-    "benchmark", "task", "sample_id", "model", "length", "seed", "protocol", "policy", "budget", "block_size",
-    "hyper", "prediction", "answers", "score", "input_tokens", "new_tokens", "prefill_s", "decode_s",
-    "compile_s", "batch",
+    "benchmark", "task", "sample_id", "model", "length", "seed", "protocol", "policy", "budget",
+    "budget_fraction", "block_size", "hyper", "prediction", "answers", "score", "input_tokens", "new_tokens",
+    "prefill_s", "decode_s", "compile_s", "batch",
 )
 
 
@@ -248,10 +257,22 @@ def _check_policies(policies: Any, budgets: Any, policy_kwargs: Mapping | None):
                              f"{[p.name for p in evicting]}, got {budgets!r}")
         return pols, []
     if isinstance(budgets, str):
-        raise TypeError(f"budgets must be a list of integers, got the string {budgets!r}")
+        raise TypeError(f"budgets must be a list of integers or of fractions, got the string {budgets!r}")
     budgets = _names("budgets", budgets)
     for b in budgets:
-        _check_int("budgets entry", b)
+        if isinstance(b, float):
+            if not 0 < b < 1:
+                raise ValueError(f"budgets entry {b!r} is not a fraction in (0, 1) (of the average dense "
+                                 "generation length); integer budgets (cache slots) must be ints >= 1")
+        else:
+            _check_int("budgets entry", b)
+    fractions = [b for b in budgets if isinstance(b, float)]
+    if fractions and len(fractions) != len(budgets):
+        raise ValueError(f"budgets={budgets} mixes integers (cache slots) and fractions (of the average "
+                         "dense generation length); give only one kind")
+    if fractions and not any(pol.is_dense for pol, _ in pols):
+        raise ValueError(f"budgets={budgets} are fractions of the average dense generation length, so "
+                         f"policies must include 'dense'; got policies {names}")
     return pols, sorted(budgets)
 
 
@@ -280,18 +301,38 @@ def _build_samples(module: ModuleType, name: str, tokenizer, tasks: Sequence[str
     return out
 
 
+def _stops_at_newline(sample: Sample) -> bool:
+    """True when the sample's generation also stops at a newline (`extra["stop_at_newline"]`)."""
+    return bool(sample.extra.get("stop_at_newline"))
+
+
 def _groups(samples: list[Sample], rendered: dict, protocol: str, batch_size: int) -> list[list[Sample]]:
-    """Consecutive batches of at most batch_size samples (question_agnostic: of one question length)."""
-    if protocol == "paper":
-        buckets = {0: samples}
-    else:
-        buckets: dict[int, list[Sample]] = {}
-        for s in samples:
-            buckets.setdefault(len(rendered[s.id][1]), []).append(s)
+    """Batches of at most batch_size samples that stop alike (newline or not) and, under question_agnostic,
+    have one question length; order kept within each kind."""
+    buckets: dict[tuple, list[Sample]] = {}
+    for s in samples:
+        q_len = 0 if protocol == "paper" else len(rendered[s.id][1])
+        buckets.setdefault((_stops_at_newline(s), q_len), []).append(s)
     return [group[i:i + batch_size] for group in buckets.values() for i in range(0, len(group), batch_size)]
 
 
 # ---- the run ----------------------------------------------------------------------------------------------
+def newline_ids(tokenizer) -> tuple[int, ...]:
+    """The newline stop id(s): the ids of `tokenizer("\\n")` that decode alone to exactly "\\n".
+
+    LongBench's pred.py stops samsum at `tokenizer.encode("\\n", add_special_tokens=False)[-1]`; keeping only
+    the ids that decode to "\\n" gives that same id while dropping a SentencePiece word-start piece ("▁")
+    that some tokenizers put before it. Tokens that merely contain a newline ("\\n\\n", ".\\n") do not
+    stop, as in pred.py (the scorer's first-line cut handles them).
+    """
+    ids = [int(i) for i in tokenizer("\n", add_special_tokens=False)["input_ids"]]
+    found = tuple(dict.fromkeys(i for i in ids if tokenizer.decode([i]) == "\n"))
+    if not found:
+        raise ValueError(f"tokenizer {type(tokenizer).__name__} encodes '\\n' as {ids}, none of which "
+                         "decodes to '\\n': samples with extra['stop_at_newline'] cannot stop at a newline")
+    return found
+
+
 def _truncate_new(tokens, limit: int, eos: set[int]) -> list[int]:
     """A row's new tokens, at most `limit`, ending at (and including) the first EOS."""
     row = [int(t) for t in tokens[:limit]]
@@ -301,6 +342,24 @@ def _truncate_new(tokens, limit: int, eos: set[int]) -> list[int]:
     return row
 
 
+def _fraction_budgets(fractions: Sequence[float], dense_lengths: Sequence[int]) -> dict[int, float]:
+    """{integer budget: fraction} from the dense generation lengths (`math500.fraction_budgets`, pow2).
+
+    Fractions that round to one budget run it once, recorded under the smallest of them (with a warning).
+    """
+    from vdjax.eval.math500 import fraction_budgets
+
+    out: dict[int, float] = {}
+    for f, b in sorted(fraction_budgets(dense_lengths, fractions).items()):
+        if b in out:
+            warnings.warn(f"budgets {out[b]} and {f} both give budget {b} (mean dense generation length "
+                          f"{sum(dense_lengths) / len(dense_lengths):.1f} tokens); it runs once, recorded "
+                          f"as {out[b]}", stacklevel=3)
+            continue
+        out[b] = f
+    return out
+
+
 def evaluate(
     params,
     tokenizer,
@@ -308,7 +367,7 @@ def evaluate(
     *,
     model_name: str,
     policies: Sequence[str],
-    budgets: Sequence[int] | None,
+    budgets: Sequence[int] | Sequence[float] | None,
     length: int,
     num_samples: int,
     out_dir: str | os.PathLike,
@@ -326,9 +385,11 @@ def evaluate(
 
     `benchmark`: a name of BENCHMARKS or a module with TASKS and build(task, tokenizer, *, length,
     num_samples, seed[, data_dir]). `policies`: names (dense runs once per sample, budget null); `budgets`:
-    cache slots per KV head for the evicting ones. `policy_kwargs`: {policy name: {keyword: value}}.
-    `batch_size` > 1 runs up to that many samples of one task in one ragged `vdjax.run` call (under
-    question_agnostic, only samples of equal question length share a call). `metrics` overrides
+    cache slots per KV head for the evicting ones (ints >= 1), or fractions in (0, 1) of the average dense
+    generation length (dense must be among `policies`; it all runs first, see the module docstring).
+    `policy_kwargs`: {policy name: {keyword: value}}. `batch_size` > 1 runs up to that many samples of one
+    task in one ragged `vdjax.run` call (only samples that stop alike at newlines, and under
+    question_agnostic of equal question length, share a call). `metrics` overrides
     `vdjax.eval.metrics.METRICS` ({name: fn(prediction, answers, sample) -> [0, 1]}).
     """
     from vdjax.cli import timed_run
@@ -380,8 +441,22 @@ def evaluate(
             if s.metric not in metrics:
                 raise ValueError(f"sample {s.id!r} of task {task!r} has metric={s.metric!r}; "
                                  f"known: {sorted(metrics)}")
-    configs = [(pol, hyper, None if pol.is_dense else b) for pol, hyper in pols
-               for b in ([None] if pol.is_dense else budgets)]
+    fractional = bool(budgets) and isinstance(budgets[0], float)
+    dense_cfgs = [(pol, hyper, None, None) for pol, hyper in pols if pol.is_dense]
+    evicting = [(pol, hyper) for pol, hyper in pols if not pol.is_dense]
+
+    def evicting_cfgs(by_budget: Mapping[int, float | None]) -> list[tuple]:
+        """(policy, hyper, budget, budget_fraction) of every evicting policy at every budget."""
+        return [(pol, hyper, b, f) for pol, hyper in evicting for b, f in by_budget.items()]
+
+    if fractional:  # phase 1: dense only; the evicting configs follow once every dense length is known
+        configs = dense_cfgs
+    else:
+        configs = [(pol, hyper, b, None) for pol, hyper in pols
+                   for b in ([None] if pol.is_dense else budgets)]
+
+    all_samples = [s for ss in built.values() for s in ss]
+    stop_ids = newline_ids(tokenizer) if any(_stops_at_newline(s) for s in all_samples) else ()
 
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
     meta.update(identity)
@@ -397,39 +472,58 @@ def evaluate(
     _write_json(meta_path, meta)
 
     eos = set(int(e) for e in (params.config.eos_token_ids or ()))
-    total = sum(len(s) for s in built.values()) * len(configs)
+    # the run's EOS plus the newline, the model's EOS first (vdjax.run pads finished rows with the first one)
+    newline_eos = sorted(eos) + [i for i in stop_ids if i not in eos]
+    dense_new: dict[tuple[str, str], int] = {
+        (r["task"], r["sample_id"]): int(r["new_tokens"]) for r in existing
+        if dense_cfgs and r["policy"] == dense_cfgs[0][0].name}
+
+    def count_done(cfgs) -> int:
+        """How many (sample, config) of `cfgs` the file already holds."""
+        return sum((s.task, s.id, pol.name, b, protocol) in done
+                   for s in all_samples for pol, _, b, _ in cfgs)
+
+    rendered, groups = {}, {}
+    for task, samples in built.items():
+        rendered[task] = {s.id: render_ids(tokenizer, s) for s in samples}
+        if protocol == "question_agnostic":
+            empty = [s.id for s in samples if not rendered[task][s.id][1]]
+            if empty:
+                raise ValueError(f"samples {empty[:5]} of task {task!r} have no question tokens; the "
+                                 "question_agnostic protocol needs a question after the context")
+        groups[task] = _groups(samples, rendered[task], protocol, batch_size)
+
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=total, initial=sum(1 for ss in built.values() for s in ss for pol, _, b in configs
-                                        if (s.task, s.id, pol.name, b, protocol) in done),
+    planned = len(configs) + (len(evicting) * len(budgets) if fractional else 0)
+    bar = tqdm(total=len(all_samples) * planned, initial=count_done(configs),
                desc=f"{name} {model_name} L{length}", unit="gen", disable=not progress, dynamic_ncols=True)
     writer = _Appender(pred_path)
-    try:
-        for task, samples in built.items():
-            rendered = {s.id: render_ids(tokenizer, s) for s in samples}
-            if protocol == "question_agnostic":
-                empty = [s.id for s in samples if not rendered[s.id][1]]
-                if empty:
-                    raise ValueError(f"samples {empty[:5]} of task {task!r} have no question tokens; the "
-                                     "question_agnostic protocol needs a question after the context")
-            for group in _groups(samples, rendered, protocol, batch_size):
-                for pol, hyper, budget in configs:
+
+    def generate(cfgs) -> None:
+        """Run and write every (sample, config) of `cfgs` not yet done, group by group."""
+        for task in built:
+            for group in groups[task]:
+                for pol, hyper, budget, fraction in cfgs:
                     todo = [s for s in group if (s.task, s.id, pol.name, budget, protocol) not in done]
                     if not todo:
                         continue
                     bar.set_postfix_str(f"{task} {pol.name} {budget or ''}".rstrip(), refresh=False)
-                    ctx = [rendered[s.id][0] for s in todo]
-                    qs = [rendered[s.id][1] for s in todo]
+                    ctx = [rendered[task][s.id][0] for s in todo]
+                    qs = [rendered[task][s.id][1] for s in todo]
                     max_new = max(s.max_new_tokens for s in todo)
                     if protocol == "paper":
                         ids, question = [c + q for c, q in zip(ctx, qs)], None
                     else:
                         ids, question = ctx, qs
+                    stop = _stops_at_newline(todo[0])  # a group never mixes the two (_groups)
+                    stop_kw = {"eos_token_id": newline_eos} if stop else {}
+                    row_eos = set(newline_eos) if stop else eos
                     gen, prefill_s, decode_s, compile_s = timed_run(
                         params, ids, pol, budget, block_size=block_size, max_new_tokens=max_new,
-                        question=question, **dict(hyper))
+                        question=question, **stop_kw, **dict(hyper))
                     for r, s in enumerate(todo):
-                        new = _truncate_new(gen.tokens[r], s.max_new_tokens, eos)
+                        new = _truncate_new(gen.tokens[r], s.max_new_tokens, row_eos)
                         prediction = tokenizer.decode(new, skip_special_tokens=True)
                         score = float(metrics[s.metric](prediction, s.answers, s))
                         if not 0.0 <= score <= 1.0:
@@ -437,14 +531,29 @@ def evaluate(
                                              "scores must lie in [0, 1]")
                         writer.write({
                             **identity, "task": s.task, "sample_id": s.id, "policy": pol.name,
-                            "budget": budget,
+                            "budget": budget, "budget_fraction": fraction,
                             "hyper": dict(gen.hyper), "prediction": prediction, "answers": list(s.answers),
                             "score": score, "input_tokens": len(ctx[r]) + len(qs[r]), "new_tokens": len(new),
                             "prefill_s": prefill_s, "decode_s": decode_s, "compile_s": compile_s,
                             "batch": len(todo),
                         })
                         done.add((s.task, s.id, pol.name, budget, protocol))
+                        if pol.is_dense:
+                            dense_new[s.task, s.id] = len(new)
                         bar.update(1)
+
+    try:
+        generate(configs)
+        if fractional:  # every dense run is done: budgets from the mean dense generation length
+            lengths = [dense_new[s.task, s.id] for s in all_samples]
+            by_budget = _fraction_budgets(budgets, lengths)
+            invocation["dense_mean_new_tokens"] = sum(lengths) / len(lengths)
+            invocation["fraction_budgets"] = {str(f): b for b, f in by_budget.items()}  # those that run
+            _write_json(meta_path, meta)
+            cfgs = evicting_cfgs(by_budget)
+            bar.total = len(all_samples) * (len(configs) + len(cfgs))
+            bar.update(count_done(cfgs))
+            generate(cfgs)
     finally:
         writer.close()
         bar.close()

@@ -7,6 +7,7 @@ the last test runs the real SmolLM2-135M through the CLI on RULER (a fake RULER 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import importlib.util
 import json
 import random
@@ -140,6 +141,7 @@ def test_every_line_once(reference):
         assert min(r["prefill_s"], r["decode_s"], r["compile_s"]) >= 0
         assert r["hyper"] == ({"n_sink": 4} if r["policy"] == "streaming" else {})
         assert (r["budget"] is None) == (r["policy"] == "dense")
+        assert r["budget_fraction"] is None  # integer budgets
     meta = json.loads((reference.parent / "run.json").read_text())
     assert [meta[k] for k in ("model", "benchmark", "length", "seed", "protocol", "block_size")] \
         == ["tiny", "fake", 85, 0, "paper", 16]
@@ -260,6 +262,147 @@ def test_question_agnostic_uses_question(tiny, tmp_path, monkeypatch):
         assert r["input_tokens"] == 1 + len(s.context) + len(s.question) + len(s.answer_prefix)
 
 
+def test_newline_ids():
+    """The newline stop ids: CharTokenizer's "\\n"; a leading SentencePiece "▁" piece is dropped."""
+    assert runner.newline_ids(CharTokenizer()) == (2 + CHARS.index("\n"),)
+
+    class Piece(CharTokenizer):  # "\n" -> ["▁", "\n"] like Llama-2's SentencePiece (▁ = id 60 here)
+        def __call__(self, text, add_special_tokens=True, return_offsets_mapping=False):
+            return {"input_ids": [60, 43] if text == "\n" else super().__call__(text)["input_ids"]}
+
+        def decode(self, ids, skip_special_tokens=False):
+            return "".join(" " if i == 60 else super(Piece, self).decode([i]) for i in ids)
+
+    assert runner.newline_ids(Piece()) == (43,)
+
+    class NoNewline(CharTokenizer):
+        def decode(self, ids, skip_special_tokens=False):
+            return super().decode(ids).replace("\n", "?")
+
+    with pytest.raises(ValueError, match=r"encodes '\\n' as \[43\], none of which decodes"):
+        runner.newline_ids(NoNewline())
+
+
+def test_stop_at_newline(tiny, reference, tmp_path, monkeypatch):
+    """Samples with extra["stop_at_newline"] stop at (and keep) the first newline, never share a call with the
+    others, and keep at least one new token; the others are unchanged."""
+    flagged = {"alpha-1", "alpha-2"}
+    bench = fake_benchmark()
+    build = bench.build
+    bench.build = lambda *a, **k: [dataclasses.replace(s, extra={"stop_at_newline": s.id in flagged})
+                                   for s in build(*a, **k)]
+    tok = CharTokenizer()
+    prompt_of = {tuple(tok(s.context + s.question + s.answer_prefix)["input_ids"]): s.id
+                 for s in _build("alpha", tok, length=85, num_samples=4)}
+    calls = []
+    real_run = vdjax.run
+    monkeypatch.setattr(vdjax, "run", lambda p, ids, *a, **k: calls.append(
+        ({prompt_of[tuple(row)] for row in ids}, k.get("eos_token_id"))) or real_run(p, ids, *a, **k))
+    path = _run(tiny, tmp_path, bench, tasks=["alpha"], policies=["valuediff"])
+    assert len(calls) == 4  # 2 budgets x 2 groups: {alpha-0, alpha-3} and {alpha-1, alpha-2}
+    for ids, eos in calls:
+        assert ids in ({"alpha-0", "alpha-3"}, flagged)
+        assert eos == ([1, 2 + CHARS.index("\n")] if ids == flagged else None)
+    ref = {runner.record_key(r): r for r in _lines(reference)}
+    records = _lines(path)
+    assert len(records) == 8
+    cut = 0
+    for r in records:
+        want = ref[runner.record_key(r)]
+        if r["sample_id"] in flagged and "\n" in want["prediction"]:
+            end = want["prediction"].index("\n") + 1
+            assert (r["prediction"], r["new_tokens"]) == (want["prediction"][:end], end)
+            cut += 1
+        else:
+            assert (r["prediction"], r["new_tokens"]) == (want["prediction"], want["new_tokens"])
+    by_key = {(r["sample_id"], r["budget"]): r for r in records}
+    assert cut == 3
+    assert (by_key["alpha-1", 16]["prediction"], by_key["alpha-1", 16]["new_tokens"]) == ("w.\n", 3)
+    # the first new token is the newline: generation still keeps it (one new token), then stops
+    assert (by_key["alpha-2", 32]["prediction"], by_key["alpha-2", 32]["new_tokens"]) == ("\n", 1)
+
+
+def _dense_record(sample_id, new_tokens, score):
+    return {"benchmark": "fake", "model": "tiny", "length": 85, "seed": 0, "protocol": "paper",
+            "block_size": 16, "task": "alpha", "sample_id": sample_id, "policy": "dense", "budget": None,
+            "budget_fraction": None, "hyper": {}, "prediction": "x", "answers": ["10", "sky"], "score": score,
+            "new_tokens": new_tokens}
+
+
+def test_fraction_budgets_from_recorded_dense(tiny, reference, tmp_path, monkeypatch):
+    """Budgets as fractions: computed from the dense new_tokens already in the file (no dense rerun)."""
+    folder = tmp_path / "fake" / "tiny" / "paper" / "L85"
+    folder.mkdir(parents=True)
+    lengths = [40, 50, 70, 100]  # mean 65: 0.25 -> 16.25 -> 16, 0.3 -> 19.5 -> 16, 0.5 -> 32.5 -> 32 (pow2)
+    (folder / "predictions.jsonl").write_text("".join(
+        json.dumps(_dense_record(f"alpha-{i}", n, 1.0)) + "\n" for i, n in enumerate(lengths)))
+    calls = []
+    real_run = vdjax.run
+    monkeypatch.setattr(vdjax, "run", lambda p, ids, pol, budget, *a, **k: calls.append((pol.name, budget))
+                        or real_run(p, ids, pol, budget, *a, **k))
+    with pytest.warns(UserWarning, match="budgets 0.25 and 0.3 both give budget 16"):
+        path = _run(tiny, tmp_path, tasks=["alpha"], policies=["dense", "valuediff"],
+                    budgets=[0.5, 0.3, 0.25])
+    assert sorted(calls) == [("valuediff", 16)] * 2 + [("valuediff", 32)] * 2  # dense was already done
+    records = _lines(path)[4:]
+    assert len(records) == 8
+    assert {(r["budget"], r["budget_fraction"]) for r in records} == {(16, 0.25), (32, 0.5)}
+    ref = {runner.record_key(r): r["prediction"] for r in _lines(reference)}
+    assert all(r["prediction"] == ref[runner.record_key(r)] for r in records)  # integer runs at 16/32 agree
+    inv = json.loads((folder / "run.json").read_text())["invocations"][-1]
+    assert inv["budgets"] == [0.25, 0.3, 0.5] and inv["dense_mean_new_tokens"] == 65.0
+    assert inv["fraction_budgets"] == {"0.25": 16, "0.5": 32}
+
+    s = report.summarize(path)
+    assert {(r.budget, r.fraction) for r in s.rows} == {(16, 0.25), (32, 0.5)}
+    md = s.md_path.read_text()
+    assert "| tiny | 25% (N=16) | 100.0 |" in md and "| tiny | 50% (N=32) | 100.0 |" in md
+    with open(s.csv_path) as f:
+        assert {(r["budget"], r["budget_fraction"]) for r in csv.DictReader(f)} == {("16", "0.25"),
+                                                                                   ("32", "0.5")}
+
+
+def test_fraction_budgets_two_phases_resume(tiny, reference, tmp_path, monkeypatch):
+    """Every dense run first, then the evicting ones at the budgets from the dense lengths; a crash in the
+    second phase resumes with the same budgets and reruns nothing."""
+    calls = {"n": 0}
+
+    def crashing(prediction, answers, sample):
+        calls["n"] += 1
+        if calls["n"] > 6:  # after dense and valuediff on the first group
+            raise RuntimeError("simulated crash")
+        return overlap(prediction, answers, sample)
+
+    order = []
+    real_run = vdjax.run
+    monkeypatch.setattr(vdjax, "run", lambda p, ids, pol, budget, *a, **k: order.append((pol.name, len(ids)))
+                        or real_run(p, ids, pol, budget, *a, **k))
+    kw = dict(tasks=["alpha"], policies=["valuediff", "dense"], budgets=[0.25])
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        _run(tiny, tmp_path, metrics={"overlap": crashing}, **kw)
+    assert [p for p, _ in order] == ["dense", "dense", "valuediff", "valuediff"]  # dense of every group first
+    path = tmp_path / "fake" / "tiny" / "paper" / "L85" / "predictions.jsonl"
+    first = _lines(path)
+    assert [r["policy"] for r in first] == ["dense"] * 4 + ["valuediff"] * 2
+    # hand-computed: dense lengths 4, 5, 4, 5 (max_new_tokens; no EOS) -> mean 4.5 -> 0.25 x 4.5 -> 1 (pow2)
+    assert [r["new_tokens"] for r in first[:4]] == [4, 5, 4, 5]
+    assert {(r["budget"], r["budget_fraction"]) for r in first[4:]} == {(1, 0.25)}
+
+    order.clear()
+    assert _run(tiny, tmp_path, **kw) == path
+    assert order == [("valuediff", 2)]  # the second group only
+    records = _lines(path)
+    assert records[:6] == first
+    keys = [runner.record_key(r) for r in records]
+    assert len(keys) == len(set(keys)) == 8
+    assert [(r["policy"], r["budget"], r["budget_fraction"]) for r in records[4:]] \
+        == [("valuediff", 1, 0.25)] * 4
+    ref = {runner.record_key(r): r["prediction"] for r in _lines(reference)}
+    assert all(r["prediction"] == ref[runner.record_key(r)] for r in records if r["policy"] == "dense")
+    invs = json.loads((path.parent / "run.json").read_text())["invocations"]
+    assert [inv["fraction_budgets"] for inv in invs] == [{"0.25": 1}] * 2
+
+
 
 def test_evaluate_refuses_bad_input(tiny, tmp_path):
     for kw, match in [
@@ -268,6 +411,10 @@ def test_evaluate_refuses_bad_input(tiny, tmp_path):
         (dict(budgets=[16, 0]), "budgets entry must be an integer >= 1, got 0"),
         (dict(budgets=None), "budgets must list"),
         (dict(budgets="16"), "budgets must be a list"),
+        (dict(budgets=[0.25, 16]), r"budgets=\[0.25, 16\] mixes integers \(cache slots\) and fractions"),
+        (dict(budgets=[0.5, 1.0]), r"budgets entry 1.0 is not a fraction in \(0, 1\)"),
+        (dict(policies=["valuediff"], budgets=[0.25]),
+         r"policies must include 'dense'; got .*\['valuediff'\]"),
         (dict(tasks=["gamma"]), r"tasks=\['gamma'\] not in benchmark 'fake'"),
         (dict(length=0), "length must be an integer >= 1"),
         (dict(batch_size=1.5), "batch_size must be an integer"),
@@ -375,8 +522,13 @@ def test_report_partial_and_folder(tmp_path):
     (["eval", "squad"], "invalid choice: 'squad'"),
     (["eval", "ruler", "--policies", "dense,nope", "--budgets", "64"], "unknown policy 'nope'"),
     (["eval", "ruler", "--protocol", "both"], "invalid choice: 'both'"),
-    (["eval", "ruler", "--budgets", "64,big"], "--budgets: must be comma-separated integers >= 1, got 'big'"),
-    (["eval", "ruler", "--budgets", "0"], "--budgets: must be comma-separated integers >= 1, got '0'"),
+    (["eval", "ruler", "--budgets", "64,big"],
+     r"--budgets: must be comma-separated integers >= 1 \(cache slots\) or fractions in \(0, 1\).*got 'big'"),
+    (["eval", "ruler", "--budgets", "0"], "--budgets: must be comma-separated integers >= 1 .*got '0'"),
+    (["eval", "ruler", "--budgets", "1.0"], "--budgets: must be comma-separated integers >= 1 .*got '1.0'"),
+    (["eval", "ruler", "--budgets", "0.25,64"], "--budgets: mixes integers and fractions in '0.25,64'"),
+    (["eval", "math500", "--policies", "valuediff", "--budgets", "0.25,0.5"],
+     r"--budgets: fractions \[0.25, 0.5\] .* need 'dense' in --policies"),
     (["eval", "ruler", "--policies", "dense,valuediff"], r"--budgets: the evicting policies \['valuediff'\]"),
     (["eval", "ruler", "--samples", "0"], "--samples: must be an integer >= 1"),
     (["eval", "longbench", "--policies", "dense", "--tasks", "nope"],

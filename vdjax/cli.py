@@ -398,21 +398,28 @@ def cmd_convert(args) -> int:
 
 
 # ---- eval --------------------------------------------------------------------------------------------------
-def _int_list(text: str) -> list[int]:
-    """argparse type: a comma-separated list of integers >= 1."""
-    items = [t.strip() for t in text.split(",") if t.strip()]
+def _budget_list(text: str) -> list[int] | list[float]:
+    """argparse type: comma-separated integers >= 1 (cache slots) or fractions in (0, 1), not mixed."""
+    allowed = "integers >= 1 (cache slots) or fractions in (0, 1) (of the average dense generation length)"
     out = []
-    for item in items:
+    for item in (t.strip() for t in text.split(",") if t.strip()):
         try:
             value = int(item)
+            ok = value >= 1
         except ValueError:
-            value = None
-        if value is None or value < 1:
-            raise argparse.ArgumentTypeError(
-                f"must be comma-separated integers >= 1, got {item!r} in {text!r}")
+            try:
+                value = float(item)
+            except ValueError:
+                value = float("nan")
+            ok = 0 < value < 1  # false for nan and inf too
+        if not ok:
+            raise argparse.ArgumentTypeError(f"must be comma-separated {allowed}, got {item!r} in {text!r}")
         out.append(value)
     if not out:
-        raise argparse.ArgumentTypeError(f"must list one or more integers >= 1, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must list one or more {allowed}, got {text!r}")
+    if len({type(v) for v in out}) > 1:
+        raise argparse.ArgumentTypeError(
+            f"mixes integers and fractions in {text!r}; give one kind: {allowed}")
     return out
 
 
@@ -437,6 +444,9 @@ def cmd_eval(args) -> int:
     evicting = [p.name for p in policies if not p.is_dense]
     if evicting and not args.budgets:
         raise UsageError(f"argument --budgets: the evicting policies {evicting} need --budgets N[,N...]")
+    if args.budgets and isinstance(args.budgets[0], float) and not any(p.is_dense for p in policies):
+        raise UsageError(f"argument --budgets: fractions {args.budgets} of the average dense generation "
+                         f"length need 'dense' in --policies, got {[p.name for p in policies]}")
     try:
         module = importlib.import_module(f"vdjax.eval.{args.benchmark}")
     except ImportError as e:
@@ -548,7 +558,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--model", default="smollm2-135m", help="registered name or HF checkpoint folder")
     e.add_argument("--policies", type=_name_list,
                    help="comma list (default: dense and every registered policy)")
-    e.add_argument("--budgets", type=_int_list, help="comma list of cache budgets, e.g. 256,512")
+    e.add_argument("--budgets", type=_budget_list,
+                   help="comma list of cache budgets, e.g. 256,512, or of fractions of the average dense "
+                        "generation length, e.g. 0.25,0.5 (dense runs first; MATH-500 protocol)")
     e.add_argument("--length", type=positive, default=4096, help="context length in tokens")
     e.add_argument("--samples", type=positive, default=20, help="samples per task")
     e.add_argument("--out", default="results", help="results folder (a rerun resumes what is there)")
