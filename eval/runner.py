@@ -8,8 +8,8 @@ Each line is one (sample, policy, budget): written, flushed and fsynced as soon 
 loses at most the result being written. A rerun into the same folder reads the file, drops a torn last line
 and skips every (task, sample_id, policy, budget, protocol) it already holds. Dense runs once per sample with
 `budget` null. Decoding is greedy and stops at the model's EOS, and for a sample with
-`extra["stop_at_newline"]` (LongBench samsum) also at the newline token (`newline_ids`); the first new token is
-always kept, but unlike pred.py's `min_length` it may itself be the newline (vdjax.run has no logit mask).
+`extra["stop_at_newline"]` (LongBench samsum) also at the newline token (`newline_ids`), and, as pred.py's
+`min_length = prompt + 1`, the first new token can be neither EOS nor the newline (`min_new_tokens=1`).
 
 Budgets are either all integers >= 1 (cache slots per KV head) or all fractions in (0, 1) of the average dense
 generation length (MATH-500, Appendix F): then every dense run finishes first, the integer budgets follow from
@@ -517,7 +517,8 @@ def evaluate(
                     else:
                         ids, question = ctx, qs
                     stop = _stops_at_newline(todo[0])  # a group never mixes the two (_groups)
-                    stop_kw = {"eos_token_id": newline_eos} if stop else {}
+                    # pred.py: min_length = prompt + 1 keeps EOS and the newline off the first token
+                    stop_kw = {"eos_token_id": newline_eos, "min_new_tokens": 1} if stop else {}
                     row_eos = set(newline_eos) if stop else eos
                     gen, prefill_s, decode_s, compile_s = timed_run(
                         params, ids, pol, budget, block_size=block_size, max_new_tokens=max_new,

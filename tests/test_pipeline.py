@@ -220,3 +220,15 @@ def test_question_agnostic_protocol(model):
 def test_bad_question(model, question, match):
     with pytest.raises(ValueError, match=match):
         vdjax.run(model, [[1, 2, 3], [4, 5, 6]], "valuediff", budget=8, question=question)
+
+
+def test_min_new_tokens_masks_eos(model, prompts, dense_tokens):
+    """EOS = the dense first token: it stops at once, unless min_new_tokens forbids EOS for the first tokens."""
+    first, second = int(dense_tokens[0, 0]), int(dense_tokens[0, 1])
+    out = vdjax.run(model, prompts[0], "valuediff", budget=T + NEW, max_new_tokens=NEW, eos_token_id=[first])
+    assert out.tokens.tolist() == [[first]]
+    out = vdjax.run(model, prompts[0], "valuediff", budget=T + NEW, max_new_tokens=NEW, eos_token_id=[first],
+                    min_new_tokens=2)
+    assert out.tokens[0, 0] != first and first not in out.tokens[0, :2].tolist()
+    with pytest.raises(ValueError, match="min_new_tokens"):
+        vdjax.run(model, prompts[0], "valuediff", budget=8, max_new_tokens=2, min_new_tokens=3)

@@ -297,29 +297,35 @@ def test_stop_at_newline(tiny, reference, tmp_path, monkeypatch):
     calls = []
     real_run = vdjax.run
     monkeypatch.setattr(vdjax, "run", lambda p, ids, *a, **k: calls.append(
-        ({prompt_of[tuple(row)] for row in ids}, k.get("eos_token_id"))) or real_run(p, ids, *a, **k))
+        ({prompt_of[tuple(row)] for row in ids}, k.get("eos_token_id"), k.get("min_new_tokens", 0)))
+        or real_run(p, ids, *a, **k))
     path = _run(tiny, tmp_path, bench, tasks=["alpha"], policies=["valuediff"])
     assert len(calls) == 4  # 2 budgets x 2 groups: {alpha-0, alpha-3} and {alpha-1, alpha-2}
-    for ids, eos in calls:
+    for ids, eos, min_new in calls:
         assert ids in ({"alpha-0", "alpha-3"}, flagged)
         assert eos == ([1, 2 + CHARS.index("\n")] if ids == flagged else None)
+        assert min_new == (1 if ids == flagged else 0)
     ref = {runner.record_key(r): r for r in _lines(reference)}
     records = _lines(path)
     assert len(records) == 8
-    cut = 0
+    cut = forced = 0
     for r in records:
         want = ref[runner.record_key(r)]
-        if r["sample_id"] in flagged and "\n" in want["prediction"]:
+        if r["sample_id"] in flagged and want["prediction"].startswith("\n"):  # min_new_tokens=1 forbids it
+            assert not r["prediction"].startswith("\n") and "\n" not in r["prediction"][:-1]
+            assert r["new_tokens"] >= 1
+            forced += 1
+        elif r["sample_id"] in flagged and "\n" in want["prediction"]:
             end = want["prediction"].index("\n") + 1
             assert (r["prediction"], r["new_tokens"]) == (want["prediction"][:end], end)
             cut += 1
         else:
             assert (r["prediction"], r["new_tokens"]) == (want["prediction"], want["new_tokens"])
     by_key = {(r["sample_id"], r["budget"]): r for r in records}
-    assert cut == 3
+    assert (cut, forced) == (2, 1)
     assert (by_key["alpha-1", 16]["prediction"], by_key["alpha-1", 16]["new_tokens"]) == ("w.\n", 3)
-    # the first new token is the newline: generation still keeps it (one new token), then stops
-    assert (by_key["alpha-2", 32]["prediction"], by_key["alpha-2", 32]["new_tokens"]) == ("\n", 1)
+    # greedy would start alpha-2 (N=32) with the newline: as pred.py's min_length, the first token is another
+    assert not by_key["alpha-2", 32]["prediction"].startswith("\n")
 
 
 def _dense_record(sample_id, new_tokens, score):

@@ -165,13 +165,23 @@ QUESTION_PAD = 32  # question-agnostic protocol: the cache grows by the question
 
 
 @functools.partial(
-    jax.jit, static_argnames=("policy", "hyper", "max_new", "temperature", "top_k", "top_p"), donate_argnums=(1,)
+    jax.jit, static_argnames=("policy", "hyper", "max_new", "temperature", "top_k", "top_p", "min_new"),
+    donate_argnums=(1,)
 )
-def _decode(params, cache, logits, lengths, key, eos, pad, *, policy, hyper, max_new, temperature, top_k, top_p):
-    """Sample max_new tokens [B, max_new] from the prefill logits, evicting once per layer per step."""
+def _decode(params, cache, logits, lengths, key, eos, pad, *, policy, hyper, max_new, temperature, top_k, top_p,
+            min_new=0):
+    """Sample max_new tokens [B, max_new] from the prefill logits, evicting once per layer per step.
+
+    The first `min_new` tokens cannot be EOS (their EOS logits are masked, as HF's min_new_tokens).
+    """
     b = logits.shape[0]
+    is_eos = jnp.zeros((logits.shape[-1],), bool).at[eos].set(True, mode="drop")  # [V]
+
+    def no_eos_before_min(lg, i):
+        return jnp.where(is_eos & (i < min_new), -jnp.inf, lg) if min_new else lg
+
     key, sub = jax.random.split(key)
-    first = sample(logits, sub, temperature, top_k, top_p)
+    first = sample(no_eos_before_min(logits, 0), sub, temperature, top_k, top_p)
     out = jnp.full((b, max_new), pad, jnp.int32).at[:, 0].set(first)
     done = jnp.isin(first, eos)
 
@@ -184,7 +194,7 @@ def _decode(params, cache, logits, lengths, key, eos, pad, *, policy, hyper, max
         q_pos = (lengths + i - 1)[:, None]  # [B, 1] the fed token's position
         x, cache = _run_layers(params, policy, hyper, cache, tf.embed(params, tok[:, None]), q_pos)
         key, sub = jax.random.split(key)
-        nxt = sample(tf.final_logits(params, x[:, 0]), sub, temperature, top_k, top_p)
+        nxt = sample(no_eos_before_min(tf.final_logits(params, x[:, 0]), i), sub, temperature, top_k, top_p)
         nxt = jnp.where(done, pad, nxt)
         return i + 1, cache, nxt, done | jnp.isin(nxt, eos), out.at[:, i].set(nxt), key
 
@@ -324,6 +334,7 @@ def run(
     top_p: float = 1.0,
     key: jax.Array | None = None,
     eos_token_id: int | Sequence[int] | None = None,
+    min_new_tokens: int = 0,
     question=None,
     **policy_kwargs,
 ) -> Generation:
@@ -334,6 +345,9 @@ def run(
     grows by Q rounded up to QUESTION_PAD slots, nothing evicted) and decoding evicts within that larger cache.
     """
     max_new = _check_int("max_new_tokens", max_new_tokens)
+    min_new = _check_int("min_new_tokens", min_new_tokens, 0)
+    if min_new > max_new:
+        raise ValueError(f"min_new_tokens={min_new} must be <= max_new_tokens={max_new}")
     check_sampling(temperature, top_k, top_p, key)
     q_ids = None
     if question is not None:
@@ -364,7 +378,7 @@ def run(
     t1 = time.perf_counter()
     out, steps, cache = _decode(params, cache, logits, lengths, key, eos, jnp.int32(pad), policy=p.policy,
                                 hyper=p.hyper, max_new=max_new, temperature=float(temperature),
-                                top_k=int(top_k), top_p=float(top_p))
+                                top_k=int(top_k), top_p=float(top_p), min_new=min_new)
     out = np.asarray(out)
     t2 = time.perf_counter()
     steps = int(steps)
@@ -383,6 +397,7 @@ def generate(
     """Generate up to `max_new_tokens` tokens [batch, new] with block prefill + per-step eviction to `budget`.
 
     Keywords: attention_mask (left padding), temperature/top_k/top_p with an explicit `key`, eos_token_id,
-    and the policy's hyper-parameters (e.g. n_sink=4 for streaming).
+    min_new_tokens (EOS masked before), question (question-agnostic protocol, see `run`) and the policy's
+    hyper-parameters (e.g. n_sink=4 for streaming).
     """
     return run(params, ids, policy, budget, block_size, max_new_tokens, **kwargs).tokens
