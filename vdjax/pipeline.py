@@ -165,12 +165,13 @@ QUESTION_PAD = 32  # question-agnostic protocol: the cache grows by the question
 
 
 @functools.partial(
-    jax.jit, static_argnames=("policy", "hyper", "max_new", "temperature", "top_k", "top_p", "min_new"),
+    jax.jit, static_argnames=("policy", "hyper", "max_out", "temperature", "top_k", "top_p", "min_new"),
     donate_argnums=(1,)
 )
-def _decode(params, cache, logits, lengths, key, eos, pad, *, policy, hyper, max_new, temperature, top_k, top_p,
-            min_new=0):
-    """Sample max_new tokens [B, max_new] from the prefill logits, evicting once per layer per step.
+def _decode(params, cache, logits, lengths, key, eos, pad, max_new, *, policy, hyper, max_out, temperature, top_k,
+            top_p, min_new=0):
+    """Sample max_new (<= max_out, traced: one program per bucket) tokens into [B, max_out] from the prefill
+    logits, evicting once per layer per step.
 
     The first `min_new` tokens cannot be EOS (their EOS logits are masked, as HF's min_new_tokens).
     """
@@ -182,7 +183,7 @@ def _decode(params, cache, logits, lengths, key, eos, pad, *, policy, hyper, max
 
     key, sub = jax.random.split(key)
     first = sample(no_eos_before_min(logits, 0), sub, temperature, top_k, top_p)
-    out = jnp.full((b, max_new), pad, jnp.int32).at[:, 0].set(first)
+    out = jnp.full((b, max_out), pad, jnp.int32).at[:, 0].set(first)
     done = jnp.isin(first, eos)
 
     def cond(state):
@@ -353,7 +354,8 @@ def run(
     if question is not None:
         q_ids = prepare_question(params, question, prepare_ids(params, ids, attention_mask)[0].shape[0])
     extra_q = 0 if q_ids is None else -(-q_ids.shape[1] // QUESTION_PAD) * QUESTION_PAD
-    p = plan(params, ids, policy, budget, block_size, max_new + extra_q, attention_mask, **policy_kwargs)
+    max_out = bucket(max_new)  # nearby max_new_tokens share one decode program (and dense cache size)
+    p = plan(params, ids, policy, budget, block_size, max_out + extra_q, attention_mask, **policy_kwargs)
     cfg = params.config
     eos = cfg.eos_token_ids if eos_token_id is None else eos_token_id
     eos = jnp.asarray(np.atleast_1d(np.asarray(eos if eos is not None else [], np.int32)).reshape(-1), jnp.int32)
@@ -376,8 +378,8 @@ def run(
         lengths = lengths + q_len
     logits.block_until_ready()
     t1 = time.perf_counter()
-    out, steps, cache = _decode(params, cache, logits, lengths, key, eos, jnp.int32(pad), policy=p.policy,
-                                hyper=p.hyper, max_new=max_new, temperature=float(temperature),
+    out, steps, cache = _decode(params, cache, logits, lengths, key, eos, jnp.int32(pad), jnp.int32(max_new),
+                                policy=p.policy, hyper=p.hyper, max_out=max_out, temperature=float(temperature),
                                 top_k=int(top_k), top_p=float(top_p), min_new=min_new)
     out = np.asarray(out)
     t2 = time.perf_counter()
