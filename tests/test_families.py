@@ -161,6 +161,9 @@ def test_sliding_layers_hold_only_live_tokens(evicting_family, policy):
     seen = np.array([len(r) for r in rows])
     cache, _ = vdjax.prefill(params, rows, policy=policy, budget=budget, block_size=block)
     _check_live(cfg, cache, seen, n if budget else None)
+    if budget:  # sliding layers are sized to the W - 1 tokens that can be live (N > W - 1 here)
+        assert cache.slots == tuple(n if cfg.window(i) is None else W - 1 for i in range(cfg.num_layers))
+        assert cache.pos.shape[-1] == n and cache.budget == n
     gen = vdjax.run(params, rows, policy, budget=budget, block_size=block, max_new_tokens=4, eos_token_id=[])
     _check_live(cfg, gen.cache, seen + 3, n if budget else None)  # the last sampled token is not fed
 

@@ -30,17 +30,19 @@ class KVCache:
     """All layers' caches, one `LayerCache` per layer; `cache[i]` / `cache.layer(i)` gives one layer.
 
     `k`, `v`, `pos`, `acc` stack the layers ([L, B, K, N, ...]) for inspection; they copy, so use them
-    outside hot loops.
+    outside hot loops. Sliding-window layers of evicting policies hold `min(N, W - 1)` slots (at most W - 1
+    tokens are ever live there); the stacked views pad them to N with empty slots.
     """
 
     layers: tuple[LayerCache, ...]
 
     @classmethod
     def empty(cls, num_layers, batch, kv_heads, slots, head_dim, dtype) -> "KVCache":
-        """An empty cache of `slots` slots per head in every layer."""
-        shape = (batch, kv_heads, slots)
+        """An empty cache of `slots` slots per head in every layer (an int, or one int per layer)."""
+        per_layer = (slots,) * num_layers if isinstance(slots, int) else tuple(slots)
 
-        def one():
+        def one(n):
+            shape = (batch, kv_heads, n)
             return LayerCache(
                 k=jnp.zeros(shape + (head_dim,), dtype),
                 v=jnp.zeros(shape + (head_dim,), dtype),
@@ -48,12 +50,17 @@ class KVCache:
                 acc=jnp.zeros(shape, jnp.float32),
             )
 
-        return cls(tuple(one() for _ in range(num_layers)))
+        return cls(tuple(one(n) for n in per_layer))
 
     @property
     def budget(self) -> int:
-        """Slots per head (N)."""
-        return self.layers[0].pos.shape[-1]
+        """Slots per head N (the largest layer's; sliding layers may hold fewer)."""
+        return max(c.pos.shape[-1] for c in self.layers)
+
+    @property
+    def slots(self) -> tuple[int, ...]:
+        """Slots per head of each layer."""
+        return tuple(c.pos.shape[-1] for c in self.layers)
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -64,25 +71,36 @@ class KVCache:
 
     __getitem__ = layer
 
+    def _stack(self, name: str, fill) -> jax.Array:
+        """One field of every layer stacked on a leading [L] axis, smaller layers padded at the end."""
+        n = self.budget
+        parts = []
+        for c in self.layers:
+            a = getattr(c, name)
+            pad = [(0, 0)] * a.ndim
+            pad[2] = (0, n - a.shape[2])
+            parts.append(jnp.pad(a, pad, constant_values=fill))
+        return jnp.stack(parts)
+
     @property
     def k(self) -> jax.Array:
-        """Keys of all layers [L, B, K, N, D]."""
-        return jnp.stack([c.k for c in self.layers])
+        """Keys of all layers [L, B, K, N, D] (padded slots are zeros)."""
+        return self._stack("k", 0)
 
     @property
     def v(self) -> jax.Array:
         """Values of all layers [L, B, K, N, D]."""
-        return jnp.stack([c.v for c in self.layers])
+        return self._stack("v", 0)
 
     @property
     def pos(self) -> jax.Array:
-        """Slot positions of all layers [L, B, K, N] (-1 empty)."""
-        return jnp.stack([c.pos for c in self.layers])
+        """Slot positions of all layers [L, B, K, N] (-1 empty or padded)."""
+        return self._stack("pos", -1)
 
     @property
     def acc(self) -> jax.Array:
         """Accumulated attention of all layers [L, B, K, N]."""
-        return jnp.stack([c.acc for c in self.layers])
+        return self._stack("acc", 0.0)
 
     def valid_counts(self):
         """Valid slots per layer, row and head: [L, B, K]."""

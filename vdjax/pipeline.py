@@ -100,6 +100,16 @@ def _run_layers(params: Params, policy: Policy, hyper, cache: KVCache, x, q_pos)
     return x, KVCache(tuple(new_layers))
 
 
+def layer_slots(cfg, slots: int, dense: bool) -> tuple[int, ...]:
+    """Cache slots per layer: N, but min(N, W - 1) on a sliding layer of an evicting policy.
+
+    After every block and step a sliding layer holds only live tokens (next_pos - pos < W), at most W - 1 of
+    them, so the smaller cache keeps exactly the same tokens. Dense caches are indexed by position: N everywhere.
+    """
+    return tuple(slots if dense or cfg.window(i) is None else max(1, min(slots, cfg.window(i) - 1))
+                 for i in range(cfg.num_layers))
+
+
 @functools.partial(jax.jit, static_argnames=("policy", "hyper", "slots", "block"))
 def _prefill(params: Params, tokens, lengths, *, policy: Policy, hyper, slots: int, block: int):
     """tokens [B, nb*S] (row r real up to lengths[r]) -> (cache with `slots` slots, last logits [B, V])."""
@@ -109,7 +119,8 @@ def _prefill(params: Params, tokens, lengths, *, policy: Policy, hyper, slots: i
     pos = jnp.arange(t, dtype=jnp.int32)[None, :]
     q_pos = jnp.where(pos < lengths[:, None], pos, -1)  # [B, T]
     xs = (tokens.reshape(b, nb, block).swapaxes(0, 1), q_pos.reshape(b, nb, block).swapaxes(0, 1))
-    cache = KVCache.empty(cfg.num_layers, b, cfg.num_kv_heads, slots, cfg.head_dim, params.dtype)
+    cache = KVCache.empty(cfg.num_layers, b, cfg.num_kv_heads, layer_slots(cfg, slots, policy.is_dense),
+                          cfg.head_dim, params.dtype)
     h_last = jnp.zeros((b, cfg.hidden_size), params.dtype)
 
     def block_step(carry, xs):
