@@ -1,5 +1,6 @@
 """Shared fixtures."""
 
+import gc
 import importlib.util
 import os
 from pathlib import Path
@@ -35,3 +36,15 @@ def gemma3_dir(tmp_path_factory) -> Path:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VDJAX_CACHE", str(tmp_path_factory.mktemp("vdjax_cache_gemma3")))
         return registry.resolve("gemma3-270m")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop every module's compiled programs when it ends: each XLA:CPU executable holds several memory maps, and
+    the whole suite's thousands of programs in one process approach vm.max_map_count (65530), where LLVM's next
+    mmap fails and the process segfaults (seen once in CI, inside a compile in test_pipeline)."""
+    yield
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
