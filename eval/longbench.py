@@ -16,12 +16,11 @@ paper's 4k / 8k) that the runner applies.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 from vdjax.eval.metrics import DATASET2METRIC
-from vdjax.eval.sample import Sample
+from vdjax.eval.sample import Sample, read_jsonl
 
 TASKS = (
     "narrativeqa", "qasper", "multifieldqa_en", "multifieldqa_zh", "hotpotqa", "2wikimqa", "musique",
@@ -294,30 +293,12 @@ def data_path(task: str, data_dir) -> Path:
 
 
 def _read_rows(path: Path, limit: int | None) -> list[dict]:
-    """The first `limit` (all when None) JSON objects of a jsonl file, blank lines skipped, keys checked."""
-    rows: list[dict] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if limit is not None and len(rows) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from e
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-            missing = [k for k in REQUIRED_KEYS if k not in row]
-            if missing:
-                raise ValueError(f"{path}:{lineno}: missing key(s) {missing}; a LongBench row needs "
-                                 f"{list(REQUIRED_KEYS)} (official layout)")
-            if isinstance(row["answers"], str) or not isinstance(row["answers"], list):
-                raise ValueError(
-                    f"{path}:{lineno}: 'answers' must be a list of strings, got {row['answers']!r:.80}"
-                )
-            rows.append(row)
-    return rows
+    """The first `limit` (all when None) LongBench rows of a jsonl file, keys and `answers` checked."""
+    rows = read_jsonl(path, limit, REQUIRED_KEYS, "a LongBench (official layout)")
+    for lineno, row in rows:
+        if isinstance(row["answers"], str) or not isinstance(row["answers"], list):
+            raise ValueError(f"{path}:{lineno}: 'answers' must be a list of strings, got {row['answers']!r:.80}")
+    return [row for _, row in rows]
 
 
 def build(task: str, tokenizer, *, length: int, num_samples: int | None, seed: int = 0,

@@ -16,14 +16,13 @@ samples, then rounded to a clean size; `fraction_budgets` implements that rule.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from vdjax.eval.sample import Sample
+from vdjax.eval.sample import Sample, read_jsonl
 
 TASKS = ("math500",)
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -141,26 +140,8 @@ def data_path(data_dir) -> Path:
 
 
 def _read_rows(path: Path, limit: int | None) -> list[dict]:
-    """The first `limit` (all when None) JSON objects of a jsonl file, blank lines skipped."""
-    rows: list[dict] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if limit is not None and len(rows) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from e
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-            missing = [k for k in REQUIRED_KEYS if k not in row]
-            if missing:
-                raise ValueError(f"{path}:{lineno}: missing key(s) {missing}; a MATH-500 row needs "
-                                 f"{list(REQUIRED_KEYS)} (HuggingFaceH4/MATH-500 layout)")
-            rows.append(row)
-    return rows
+    """The first `limit` (all when None) MATH-500 rows of a jsonl file, keys checked."""
+    return [row for _, row in read_jsonl(path, limit, REQUIRED_KEYS, "a MATH-500 (HuggingFaceH4/MATH-500 layout)")]
 
 
 def build(task: str, tokenizer=None, *, length: int, num_samples: int | None, seed: int = 0,

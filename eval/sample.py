@@ -11,7 +11,9 @@ A benchmark module (`ruler`, `longbench`, `math500`) exposes `TASKS` and
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+import json
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 PROTOCOLS = ("paper", "question_agnostic")
 
@@ -83,3 +85,27 @@ def token_counter(tokenizer) -> Callable[[Sample], int]:
         return len(ctx) + len(q) + sample.max_new_tokens
 
     return count
+
+
+def read_jsonl(path: Path, limit: int | None, required: Sequence[str], layout: str) -> list[tuple[int, dict]]:
+    """(line number, object) of the first `limit` (all when None) JSON objects of a jsonl file, blank lines
+    skipped; a line that is not a JSON object holding every `required` key is a ValueError naming `layout`."""
+    rows: list[tuple[int, dict]] = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if limit is not None and len(rows) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from e
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            missing = [k for k in required if k not in row]
+            if missing:
+                raise ValueError(f"{path}:{lineno}: missing key(s) {missing}; {layout} row needs "
+                                 f"{list(required)}")
+            rows.append((lineno, row))
+    return rows

@@ -8,34 +8,30 @@ from pathlib import Path
 import pytest
 
 
-@pytest.fixture(scope="session")
-def smollm2_dir(tmp_path_factory) -> Path:
-    """SmolLM2-135M converted once per session (GGUF -> HF folder) under $VDJAX_CACHE or a pytest tmp dir."""
+def _converted(name: str, tmp_path_factory) -> Path:
+    """A registered model converted once per session (GGUF -> HF folder) under $VDJAX_CACHE or a pytest tmp dir."""
     from vdjax import registry
 
-    source = registry.REGISTRY["smollm2-135m"]
+    source = registry.REGISTRY[name]
     if importlib.util.find_spec(source.package) is None:
         pytest.fail(f"needs {source.package}: `{source.pip}` (.ci/install installs it)")
     if os.environ.get("VDJAX_CACHE"):
-        return registry.resolve("smollm2-135m")
+        return registry.resolve(name)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VDJAX_CACHE", str(tmp_path_factory.mktemp("vdjax_cache")))
-        return registry.resolve("smollm2-135m")
+        mp.setenv("VDJAX_CACHE", str(tmp_path_factory.mktemp(f"vdjax_cache_{name}")))
+        return registry.resolve(name)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory) -> Path:
+    """SmolLM2-135M as an HF checkpoint folder."""
+    return _converted("smollm2-135m", tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
 def gemma3_dir(tmp_path_factory) -> Path:
-    """Gemma3-270M converted once per session (GGUF -> HF folder) under $VDJAX_CACHE or a pytest tmp dir."""
-    from vdjax import registry
-
-    source = registry.REGISTRY["gemma3-270m"]
-    if importlib.util.find_spec(source.package) is None:
-        pytest.fail(f"needs {source.package}: `{source.pip}` (.ci/install installs it)")
-    if os.environ.get("VDJAX_CACHE"):
-        return registry.resolve("gemma3-270m")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VDJAX_CACHE", str(tmp_path_factory.mktemp("vdjax_cache_gemma3")))
-        return registry.resolve("gemma3-270m")
+    """Gemma3-270M as an HF checkpoint folder."""
+    return _converted("gemma3-270m", tmp_path_factory)
 
 
 @pytest.fixture(autouse=True, scope="module")
