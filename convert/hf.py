@@ -321,4 +321,4 @@ def load_hf_checkpoint(path: str | Path, dtype: Any = jnp.float32) -> Params:
         raise ValueError(
             f"checkpoint {path}: no weight table for architecture {arch!r}; have {sorted(TABLES)}"
         )
-    return Params(weights=load_weights(path, cfg, TABLES[arch], dtype), config=cfg)
+    return Params(weights=load_weights(path, cfg, TABLES[arch], dtype), config=cfg, source=str(Path(path).resolve()))

@@ -405,6 +405,7 @@ def evaluate(
     seed = _check_int("seed", seed, minimum=0)
     tasks = _check_tasks(module, name, tasks)
     pols, budgets = _check_policies(policies, budgets, policy_kwargs)
+    pols = [(pol, pol.bind_hyper(params, hyper)) for pol, hyper in pols]  # e.g. hybrid's saved weights
     if data_dir is not None and not Path(data_dir).is_dir():
         raise ValueError(f"data_dir={str(data_dir)!r} is not a folder")
     if metrics is None:

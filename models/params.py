@@ -28,6 +28,7 @@ class Params:
 
     weights: dict[str, Any]
     config: ModelConfig = flax.struct.field(pytree_node=False)
+    source: str | None = flax.struct.field(pytree_node=False, default=None)  # checkpoint folder it came from
 
     @property
     def dtype(self):

@@ -67,6 +67,11 @@ def _ref_scores(name, k, v, pos, probs, q_pos, acc, budget, **kw):
                 s = a / (1 - a) * np.linalg.norm(vv - vbar, axis=1)
             elif name == "h2o":
                 s = np.where(recent(budget // 2), np.inf, acc[b, h])
+            elif name == "hybrid":  # per-head weights of layer 0: z-scored mix, exact scores at w = 1 / 0
+                w = kw["weights"][0][h]
+                vd, kd = np.linalg.norm(vv - vbar, axis=1), -cos(kk, anchor)
+                z = lambda x: (x - x[val].mean()) / np.sqrt(x[val].var() + 1e-12)  # noqa: E731
+                s = vd if w == 1 else kd if w == 0 else w * z(vd) + (1 - w) * z(kd)
             elif name == "snapkv":
                 w = kw.get("window", 32)
                 win = [i for i in valid_q if q_pos[b, i] > last_pos - w]
@@ -81,12 +86,13 @@ def _ref_scores(name, k, v, pos, probs, q_pos, acc, budget, **kw):
 
 
 POLICY_NAMES = [n for n in vdjax.POLICIES if n != "dense"]
+HYBRID_W = ((0.3, 1.0, 0.0),)  # layer 0: a mix, pure ValueDiff, pure KeyDiff (K = 3 heads)
 
 
 @pytest.mark.parametrize("name", POLICY_NAMES)
 def test_score_matches_numpy(name):
     k, v, pos, probs, q_pos, acc = _inputs()
-    kw = {"window": 3} if name == "snapkv" else {}
+    kw = {"snapkv": {"window": 3}, "hybrid": {"weights": HYBRID_W}}.get(name, {})
     attn = P.AttnInfo(jnp.asarray(probs), jnp.asarray(q_pos), jnp.asarray(acc))
     got = np.asarray(vdjax.get_policy(name)(k, v, attn, jnp.asarray(pos), budget=N, **kw))
     ref = _ref_scores(name, k, v, pos, probs, q_pos, acc, N, **kw)
@@ -214,6 +220,7 @@ def test_jit_equals_eager_scores():
     attn = P.AttnInfo(jnp.asarray(probs), jnp.asarray(q_pos), jnp.asarray(acc))
     for name in POLICY_NAMES:
         pol = vdjax.get_policy(name)
-        eager = np.asarray(pol(k, v, attn, jnp.asarray(pos), budget=N))
-        jitted = np.asarray(jax.jit(lambda a, b, c, d: pol(a, b, c, d, budget=N))(k, v, attn, jnp.asarray(pos)))
+        kw = {"weights": HYBRID_W} if name == "hybrid" else {}
+        eager = np.asarray(pol(k, v, attn, jnp.asarray(pos), budget=N, **kw))
+        jitted = np.asarray(jax.jit(lambda a, b, c, d: pol(a, b, c, d, budget=N, **kw))(k, v, attn, jnp.asarray(pos)))
         np.testing.assert_allclose(jitted, eager, rtol=1e-5, atol=1e-6, err_msg=name)

@@ -39,7 +39,7 @@ def bucket(n: int) -> int:
         p *= 2
 
 
-def _eviction_plan(policy: Policy, hyper, lc: LayerCache, k_new, v_new, probs, q_pos, window):
+def _eviction_plan(policy: Policy, hyper, lc: LayerCache, k_new, v_new, probs, q_pos, window, layer: int = 0):
     """Score one layer's N + S candidates; return (dest [B, K, S], new pos [B, K, N], new acc [B, K, N]).
 
     dest is the slot each new token is written to (N = not kept); survivors never move, so applying the plan
@@ -63,7 +63,7 @@ def _eviction_plan(policy: Policy, hyper, lc: LayerCache, k_new, v_new, probs, q
     if policy.accumulates:
         valid_q = (q_pos >= 0).astype(jnp.float32)[:, None, :, None]  # [B, 1, S, 1]
         acc = acc + jnp.sum(jnp.mean(probs, axis=2) * valid_q, axis=2)
-    attn = AttnInfo(probs=probs, q_pos=q_pos, acc=acc)
+    attn = AttnInfo(probs=probs, q_pos=q_pos, acc=acc, layer=layer)
     cand_k = jnp.concatenate([lc.k, k_new], axis=2)  # [B, K, C, D]
     cand_v = jnp.concatenate([lc.v, v_new], axis=2)
     scores = policy(cand_k, cand_v, attn, cand_pos, budget=n, **dict(hyper))  # [B, K, C]
@@ -92,7 +92,7 @@ def _run_layers(params: Params, policy: Policy, hyper, cache: KVCache, x, q_pos)
         inv_freq, window = tf.layer_settings(cfg, i)
         x, k_new, v_new, probs = tf.layer_forward(lw, x, q_pos, lc.k, lc.v, lc.pos, cfg, jnp.asarray(inv_freq),
                                                   window)
-        dest, pos_l, acc_l = _eviction_plan(policy, hyper, lc, k_new, v_new, probs, q_pos, window)
+        dest, pos_l, acc_l = _eviction_plan(policy, hyper, lc, k_new, v_new, probs, q_pos, window, i)
         # the writes wait for the layer output, i.e. for every read of the old slots: XLA can write in place
         x, dest = jax.lax.optimization_barrier((x, dest))
         new_layers.append(LayerCache(select_slots(lc.k, dest, k_new), select_slots(lc.v, dest, v_new),
@@ -282,7 +282,7 @@ def plan(params, ids, policy, budget, block_size, extra_tokens=0, attention_mask
     if not isinstance(params, Params):
         raise TypeError(f"params must be vdjax Params (from vdjax.load), got {type(params).__name__}")
     pol = get_policy(policy)
-    hyper = pol.hyper(**policy_kwargs)
+    hyper = pol.bind_hyper(params, pol.hyper(**policy_kwargs))
     block_size = _check_int("block_size", block_size)
     tokens, lengths = prepare_ids(params, ids, attention_mask)
     t = int(lengths.max())

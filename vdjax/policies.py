@@ -32,6 +32,7 @@ class AttnInfo:
     probs: jax.Array  # [B, K, G, S, C] softmax weights of the block's queries over the candidates
     q_pos: jax.Array  # [B, S] absolute query positions, -1 = padding
     acc: jax.Array  # [B, K, C] attention accumulated over every query so far (GQA mean), incl. this block
+    layer: int = flax.struct.field(pytree_node=False, default=0)  # index of the layer being scored
 
     @property
     def last_index(self) -> jax.Array:
@@ -161,6 +162,37 @@ def fastcaote(k, v, attn, pos, **_):
     return alpha / jnp.maximum(1.0 - alpha, _EPS) * valuediff(k, v, attn, pos)
 
 
+# ---- key/value hybrid -----------------------------------------------------------------------------------
+def mix(vd: jax.Array, kd: jax.Array, valid: jax.Array, w) -> jax.Array:
+    """w * z(vd) + (1 - w) * z(kd) per head (w [K] or scalar); exactly vd where w == 1 and kd where w == 0."""
+    w = jnp.asarray(w, jnp.float32).reshape(-1)[None, :, None]  # [1, K or 1, 1]
+    mixed = w * _standardize(vd, valid) + (1.0 - w) * _standardize(kd, valid)
+    return jnp.where(w == 1.0, vd, jnp.where(w == 0.0, kd, mixed))
+
+
+def hybrid(k, v, attn, pos, *, weights=None, **_):
+    """Hybrid: w * z(ValueDiff) + (1 - w) * z(KeyDiff), w per layer and KV head (weights [L][K] in [0, 1])."""
+    if weights is None:
+        raise ValueError("policy 'hybrid' needs weights: pass weights=[...] or load a model with saved weights "
+                         "(`vdjax analyze --model M --fit`)")
+    w = weights[attn.layer]  # [K] static floats
+    vd, kd = valuediff(k, v, attn, pos), keydiff(k, v, attn, pos)
+    if all(x == 1.0 for x in w):
+        return vd
+    if all(x == 0.0 for x in w):
+        return kd
+    return mix(vd, kd, valid_mask(pos), w)
+
+
+def _bind_hybrid(params, hyper):
+    """Resolve hybrid's `weights` keyword (None, "fitted", "geometry", a JSON path, numbers) against the model."""
+    from vdjax.hybrid import resolve_weights
+
+    hyper = dict(hyper)
+    hyper["weights"] = resolve_weights(params, hyper.get("weights"))
+    return tuple(sorted(hyper.items()))
+
+
 # ---- registry -------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Policy:
@@ -171,6 +203,11 @@ class Policy:
     defaults: tuple[tuple[str, Any], ...] = ()
     needs_attention: bool = False  # reads attn.probs (the pipeline then keeps them)
     accumulates: bool = False  # reads attn.acc (accumulated attention carried in the cache)
+    bind: Callable[..., tuple] | None = None  # (params, hyper) -> hyper: resolves model-dependent keywords
+
+    def bind_hyper(self, params, hyper: tuple) -> tuple:
+        """hyper with model-dependent keywords resolved for `params` (unchanged for most policies)."""
+        return hyper if self.bind is None else self.bind(params, hyper)
 
     @property
     def is_dense(self) -> bool:
@@ -215,6 +252,7 @@ for _p in (
     Policy("snapkv", snapkv, (("kernel", 7), ("window", 32)), needs_attention=True),
     Policy("h2o", h2o, (("n_recent", None),), needs_attention=True, accumulates=True),
     Policy("fastcaote", fastcaote, needs_attention=True),
+    Policy("hybrid", hybrid, (("weights", None),), bind=_bind_hybrid),
 ):
     register(_p)
 

@@ -1,0 +1,348 @@
+"""Key/value hybrid eviction: per layer (and KV head) weights w mixing standardised ValueDiff and KeyDiff.
+
+The score itself is `vdjax.policies.hybrid` (w = 1 is ValueDiff, w = 0 KeyDiff, exactly). This module sets w:
+
+- `geometry_weights`: from measured geometry, the paper's two-axis picture (§4.4, Figure 2). KeyDiff leads only
+  where the BOS key is a geometric outlier (bos_cos < 0) *and* keys are more dispersed than values
+  (sigma_v / sigma_k < 1); everywhere else ValueDiff leads. With a = clip((r - r_lo) / (r_hi - r_lo), 0, 1)
+  (value dominance, r = sigma_v / sigma_k) and b = clip(bos_cos / cos_lo, 0, 1) (anchor strength),
+
+      w = 1 - (1 - a) * b
+
+  so w = 1 when r >= r_hi or bos_cos >= 0, w = 0 when r <= r_lo and bos_cos <= cos_lo, linear in between
+  (defaults r_lo = 0.5, r_hi = 1.0 (the paper's regime boundaries), cos_lo = -0.3).
+- `fit`: fitted with optax to minimise the attention-output error of block eviction on calibration prompts.
+  Each layer is simulated teacher-forced (the dense K/V of the prompt): blocks of B tokens, the cache cut to N
+  after each block by the hybrid score; the error of block b's eviction is measured on the queries of block
+  b + 1, which attend to the kept cache plus their own block: sum ||o_full - o_kept||^2 / sum ||o_full||^2.
+  Hard top-N is relaxed for the gradient (the current block's keep decision becomes
+  sigmoid((s - threshold) / temperature), temperature annealed; earlier blocks follow the hard decisions).
+  The relaxed optimum is then compared with w = 0, w = 1 and the geometry weights by the exact hard error, and
+  the best of them is kept, so a fitted layer is never worse on the calibration prompts than either endpoint.
+
+Weights are saved as small JSON files next to the model (`<checkpoint>/vdjax-hybrid/{fitted,geometry}.json`);
+`generate(params, ids, policy="hybrid", budget=N)` uses the fitted ones if present, else the geometry ones.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from vdjax.cache import keep_mask
+from vdjax.models import transformer as tf
+from vdjax.models.params import Params
+from vdjax.policies import _standardize, keydiff, mix, valuediff
+
+FORMAT = "vdjax-hybrid/1"
+FOLDER = "vdjax-hybrid"
+METHODS = ("fitted", "geometry")
+
+
+# ---- weights: checking, saving, loading -----------------------------------------------------------------
+def check_weights(weights: Any, num_layers: int, num_kv_heads: int) -> tuple[tuple[float, ...], ...]:
+    """Weights as a [L][K] tuple of floats in [0, 1] from a number, [L] or [L][K]; ValueError otherwise."""
+    arr = np.asarray(weights, dtype=np.float64)
+    if arr.ndim == 0:
+        arr = np.full((num_layers, num_kv_heads), float(arr))
+    elif arr.ndim == 1 and arr.shape[0] == num_layers:
+        arr = np.repeat(arr[:, None], num_kv_heads, axis=1)
+    if arr.shape != (num_layers, num_kv_heads):
+        raise ValueError(f"hybrid weights must be a number, [num_layers={num_layers}] or "
+                         f"[num_layers={num_layers}][num_kv_heads={num_kv_heads}], got shape {np.shape(weights)}")
+    if not np.all((arr >= 0) & (arr <= 1)):
+        raise ValueError(f"hybrid weights must lie in [0, 1] (1 = ValueDiff, 0 = KeyDiff), got min {arr.min()} "
+                         f"max {arr.max()}")
+    return tuple(tuple(float(x) for x in row) for row in arr)
+
+
+def save_weights(path: str | os.PathLike, weights, *, method: str, model: str, info: dict | None = None) -> Path:
+    """Write weights [L][K] with their provenance to a JSON file; returns the path."""
+    w = np.asarray(weights, np.float64)
+    data = {"format": FORMAT, "method": method, "model": model, "num_layers": int(w.shape[0]),
+            "num_kv_heads": int(w.shape[1]), "weights": w.tolist(), **(info or {})}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+    return path
+
+
+def load_weights(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a weights JSON file written by `save_weights` (ValueError if it is not one)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"hybrid weights file {str(path)!r} does not exist")
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ValueError(f"{str(path)!r} is not a vdjax hybrid weights file (format {FORMAT!r})")
+    return data
+
+
+def model_weights_path(params: Params, method: str) -> Path | None:
+    """Where `method` weights of this model live (None when params were not loaded from a folder)."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    return None if params.source is None else Path(params.source) / FOLDER / f"{method}.json"
+
+
+def resolve_weights(params: Params, weights: Any) -> tuple[tuple[float, ...], ...]:
+    """The [L][K] weights meant by `weights`: None (the model's fitted, else geometry file), "fitted",
+    "geometry", a path to a weights JSON, or numbers (one, [L] or [L][K])."""
+    cfg = params.config
+    if weights is None or (isinstance(weights, str) and weights in METHODS):
+        methods = METHODS if weights is None else (weights,)
+        for method in methods:
+            path = model_weights_path(params, method)
+            if path is not None and path.is_file():
+                return resolve_weights(params, str(path))
+        where = "its checkpoint folder" if params.source is None else f"{params.source}/{FOLDER}/"
+        raise ValueError(f"policy 'hybrid' found no {'/'.join(methods)} weights in {where}: run "
+                         f"`vdjax analyze --model M [--fit]` first, or pass weights= a number, [L], [L][K] or a "
+                         "weights JSON path")
+    if isinstance(weights, (str, os.PathLike)):
+        data = load_weights(weights)
+        if (data["num_layers"], data["num_kv_heads"]) != (cfg.num_layers, cfg.num_kv_heads):
+            raise ValueError(f"hybrid weights {str(weights)!r} are for {data['num_layers']} layers x "
+                             f"{data['num_kv_heads']} KV heads; this model has {cfg.num_layers} x {cfg.num_kv_heads}")
+        weights = data["weights"]
+    return check_weights(weights, cfg.num_layers, cfg.num_kv_heads)
+
+
+# ---- the geometry rule ----------------------------------------------------------------------------------
+def geometry_rule(ratio, bos_cos, *, r_lo: float = 0.5, r_hi: float = 1.0, cos_lo: float = -0.3) -> np.ndarray:
+    """w = 1 - (1 - a) * b with a = clip((ratio - r_lo) / (r_hi - r_lo)), b = clip(bos_cos / cos_lo) (see module)."""
+    if not (r_lo < r_hi and cos_lo < 0):
+        raise ValueError(f"geometry_rule needs r_lo < r_hi and cos_lo < 0, got {r_lo}, {r_hi}, {cos_lo}")
+    a = np.clip((np.asarray(ratio, np.float64) - r_lo) / (r_hi - r_lo), 0.0, 1.0)
+    b = np.clip(np.asarray(bos_cos, np.float64) / cos_lo, 0.0, 1.0)
+    return 1.0 - (1.0 - a) * b
+
+
+def geometry_weights(geo, *, per_head: bool = False, **rule) -> np.ndarray:
+    """Weights [L, K] from a `vdjax.geometry.Geometry` by `geometry_rule`, per layer (default) or per head."""
+    h = geo.heads
+    if per_head:
+        return geometry_rule(h["sigma_v"] / h["sigma_k"], h["bos_cos"], **rule)
+    pl = geo.per_layer()
+    w = geometry_rule(pl["ratio"], pl["bos_cos"], **rule)
+    return np.repeat(w[:, None], h["sigma_k"].shape[1], axis=1)
+
+
+# ---- teacher-forced simulation of one layer -------------------------------------------------------------
+def query_rows(t: int, block: int, per_block: int) -> np.ndarray:
+    """Query positions [nb - 1, q] where errors are measured: `per_block` evenly spaced in each block b >= 1."""
+    nb = t // block
+    if nb < 2:
+        raise ValueError(f"fitting needs prompts of at least 2 blocks: {t} tokens < 2 x block_size={block}")
+    q = min(per_block, block)
+    offsets = np.unique(np.round(np.linspace(0, block - 1, q)).astype(np.int64))
+    return np.arange(1, nb)[:, None] * block + offsets[None, :]
+
+
+def _candidates(m, b, block, t, window):
+    """Candidate mask [P, K, T] at block b: tokens kept so far plus the block's, minus dead ones."""
+    idx = jnp.arange(t)
+    end = (b + 1) * block
+    cand = (m | ((idx >= b * block) & (idx < end))) & (idx < end)
+    if window is not None:
+        cand &= (end - idx) < window
+    return cand, end
+
+
+def _errors(rows, v, a, end):
+    """Error and energy [P, K] of the next block's queries: rows [P, K, G, q, T] over v [P, K, T, D] with
+    earlier tokens (< end) weighted by a [P, K, T] and the block's own tokens fully present."""
+    t = v.shape[2]
+    present = jnp.where(jnp.arange(t) < end, a, 1.0)[:, :, None, None, :]  # [P, K, 1, 1, T]
+    full = jnp.einsum("pkgqt,pktd->pkgqd", rows, v)
+    w = rows * present
+    kept = jnp.einsum("pkgqt,pktd->pkgqd", w, v) / jnp.maximum(jnp.sum(w, -1), 1e-30)[..., None]
+    return jnp.sum((full - kept) ** 2, axis=(2, 3, 4)), jnp.sum(full ** 2, axis=(2, 3, 4))
+
+
+def _scores(k, v, cand, w):
+    """Hybrid scores [P, K, T] of the candidates (as the policy computes them) and their two parts."""
+    pos = jnp.where(cand, jnp.arange(cand.shape[-1]), -1)
+    vd, kd = valuediff(k, v, None, pos), keydiff(k, v, None, pos)
+    return mix(vd, kd, cand, w), vd, kd, pos
+
+
+@functools.partial(jax.jit, static_argnames=("budget", "block", "window"))
+def eviction_error(k, v, rows, w, *, budget: int, block: int, window: int | None = None):
+    """Exact (hard top-N) attention-output error of block eviction of one layer, per prompt and KV head.
+
+    k, v [P, K, T, D]; rows [P, K, G, nb - 1, q, T] the attention of the measured queries (`query_rows`);
+    w [K] hybrid weights. Returns (error [P, K], energy [P, K]) summed over blocks, queries and query heads.
+    """
+    p, kh, t, _ = k.shape
+    nb = rows.shape[3] + 1
+
+    def step(m, b):
+        cand, end = _candidates(m, b, block, t, window)
+        s, _, _, pos = _scores(k, v, cand, w)
+        keep = keep_mask(s, pos, budget)
+        err, energy = _errors(rows[:, :, :, b], v, keep.astype(jnp.float32), end)
+        return keep, (err, energy)
+
+    _, (err, energy) = jax.lax.scan(step, jnp.zeros((p, kh, t), bool), jnp.arange(nb - 1))
+    return jnp.sum(err, 0), jnp.sum(energy, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("budget", "block", "window"))
+def kept_after(k, v, w, *, budget: int, block: int, window: int | None = None):
+    """Keep mask [P, K, T] after block-evicting all T // block blocks of one layer's k, v [P, K, T, D]
+    with hybrid weights w [K] (the same decisions `eviction_error` measures)."""
+    p, kh, t, _ = k.shape
+
+    def step(m, b):
+        cand, _ = _candidates(m, b, block, t, window)
+        s, _, _, pos = _scores(k, v, cand, w)
+        return keep_mask(s, pos, budget), None
+
+    m, _ = jax.lax.scan(step, jnp.zeros((p, kh, t), bool), jnp.arange(t // block))
+    return m
+
+
+def _soft_loss(theta, k, v, rows, temp, *, budget, block, window):
+    """Relaxed error / energy of the whole layer for weights sigmoid(theta) (broadcast to [K])."""
+    p, kh, t, _ = k.shape
+    w = jnp.broadcast_to(jax.nn.sigmoid(theta), (kh,))
+    nb = rows.shape[3] + 1
+
+    def step(m, b):
+        cand, end = _candidates(m, b, block, t, window)
+        _, vd, kd, pos = _scores(k, v, cand, w)
+        wv = w[None, :, None]
+        s = wv * _standardize(vd, cand) + (1.0 - wv) * _standardize(kd, cand)  # smooth in w at the endpoints too
+        keep = keep_mask(jax.lax.stop_gradient(s), pos, budget)
+        top = jax.lax.top_k(jnp.where(cand, jax.lax.stop_gradient(s), -jnp.inf), min(budget + 1, t))[0]
+        evicts = jnp.sum(cand, -1, keepdims=True) > budget
+        threshold = 0.5 * (top[..., budget - 1 : budget] + top[..., -1:]) if budget < t else top[..., -1:]
+        soft = jnp.where(evicts, jax.nn.sigmoid((s - threshold) / temp), 1.0) * cand
+        err, energy = _errors(rows[:, :, :, b], v, soft, end)
+        return keep, (err, energy)
+
+    _, (err, energy) = jax.lax.scan(step, jnp.zeros((p, kh, t), bool), jnp.arange(nb - 1))
+    return jnp.sum(err) / jnp.maximum(jnp.sum(energy), 1e-30)
+
+
+def fit_layer(k, v, rows, *, budget: int, block: int, window: int | None = None, per_head: bool = False,
+              w0=None, steps: int = 60, lr: float = 0.1, temps: tuple[float, float] = (0.5, 0.05)):
+    """Fit one layer's weights [K] with optax (Adam on the relaxed error), then keep the best of {fitted, w0,
+    0, 1} by exact error (per head when per_head, else for the whole layer). Returns (w [K], errors dict)."""
+    import optax
+
+    kh = k.shape[1]
+    w0 = np.full(kh, 0.5) if w0 is None else np.broadcast_to(np.asarray(w0, np.float64), (kh,))
+    start = np.log(np.clip(w0, 0.05, 0.95) / (1 - np.clip(w0, 0.05, 0.95)))
+    theta = jnp.asarray(start if per_head else start.mean(keepdims=True), jnp.float32)
+    opt = optax.adam(lr)
+    state = opt.init(theta)
+    kw = dict(budget=budget, block=block, window=window)
+    grad = jax.jit(jax.value_and_grad(functools.partial(_soft_loss, **kw)))
+    for i in range(steps):
+        temp = temps[0] * (temps[1] / temps[0]) ** (i / max(steps - 1, 1))
+        _, g = grad(theta, k, v, rows, jnp.float32(temp))
+        updates, state = opt.update(g, state)
+        theta = optax.apply_updates(theta, updates)
+    fitted = np.broadcast_to(np.asarray(jax.nn.sigmoid(theta), np.float64), (kh,))
+    candidates = {"fitted": fitted, "geometry": w0, "keydiff": np.zeros(kh), "valuediff": np.ones(kh)}
+    errs = {}
+    for name, w in candidates.items():
+        e, energy = eviction_error(k, v, rows, jnp.asarray(w, jnp.float32), **kw)
+        errs[name] = np.asarray(jnp.sum(e, 0) / jnp.maximum(jnp.sum(energy, 0), 1e-30), np.float64)  # [K]
+    names = list(candidates)
+    table = np.stack([errs[n] for n in names])  # [4, K]
+    if per_head:
+        best = np.argmin(table, axis=0)
+        w = np.array([candidates[names[b]][h] for h, b in enumerate(best)])
+        chosen = [names[b] for b in best]
+    else:
+        b = int(np.argmin(table.sum(axis=1)))
+        w, chosen = candidates[names[b]].copy(), [names[b]] * kh
+    return w, {"relative_error": {n: errs[n].tolist() for n in names}, "chosen": chosen,
+               "relaxed": fitted.tolist()}
+
+
+# ---- capture and fit over a model -----------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnames=("cfg", "window"))
+def _layer(lw, x, pos, inv_freq, where, *, cfg, window):
+    """One dense layer on x [P, T, H] -> (x, k [P, K, T, D], v, rows [P, K, G, nb-1, q, T] at `where`)."""
+    p, t = x.shape[:2]
+    empty = jnp.zeros((p, cfg.num_kv_heads, 0, cfg.head_dim), x.dtype)
+    x, k, v, probs = tf.layer_forward(lw, x, pos, empty, empty, jnp.zeros((p, cfg.num_kv_heads, 0), jnp.int32),
+                                      cfg, inv_freq, window)
+    rows = probs[:, :, :, where.reshape(-1), :]  # [P, K, G, R, T]
+    rows = rows.reshape(rows.shape[:3] + where.shape + (t,))
+    return x, k.astype(jnp.float32), v.astype(jnp.float32), rows
+
+
+def layer_data(params: Params, ids, block: int, per_block: int) -> Iterator[tuple]:
+    """Dense pass of prompts ids [P, T] (T a multiple of `block`); yields (layer, window, k, v, rows)."""
+    cfg = params.config
+    ids = jnp.asarray(np.asarray(ids, np.int32))
+    p, t = ids.shape
+    where = jnp.asarray(query_rows(t, block, per_block))
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (p, t))
+    x = tf.embed(params, ids)
+    for i, lw in enumerate(params.weights["layers"]):
+        inv_freq, window = tf.layer_settings(cfg, i)
+        x, k, v, rows = _layer(lw, x, pos, jnp.asarray(inv_freq), where, cfg=cfg, window=window)
+        yield i, window, k, v, rows
+
+
+def trim(prompts: Sequence[Sequence[int]], block: int) -> np.ndarray:
+    """Prompts cut to one common length, a multiple of `block` -> [P, T]."""
+    t = min(len(p) for p in prompts) // block * block
+    if t < 2 * block:
+        raise ValueError(f"fitting needs prompts of at least 2 x block_size={block} tokens, shortest has "
+                         f"{min(len(p) for p in prompts)}")
+    return np.asarray([list(p)[:t] for p in prompts], np.int32)
+
+
+def fit(params: Params, prompts: Sequence[Sequence[int]], *, budget: int, block: int = 128,
+        per_head: bool = False, w0=None, steps: int = 60, per_block: int = 16, progress: bool = False):
+    """Fit [L, K] hybrid weights on calibration prompts (id lists); returns (weights, info per layer)."""
+    from tqdm.auto import tqdm
+
+    cfg = params.config
+    ids = trim(prompts, block)
+    w0 = np.full((cfg.num_layers, cfg.num_kv_heads), 0.5) if w0 is None else np.asarray(w0, np.float64)
+    weights, info = np.zeros((cfg.num_layers, cfg.num_kv_heads)), []
+    for i, window, k, v, rows in tqdm(layer_data(params, ids, block, per_block), total=cfg.num_layers,
+                                      desc="fit hybrid", unit="layer", disable=not progress):
+        weights[i], layer_info = fit_layer(k, v, rows, budget=budget, block=block, window=window,
+                                           per_head=per_head, w0=w0[i], steps=steps)
+        info.append(layer_info)
+    return weights, info
+
+
+def evaluate(params: Params, prompts: Sequence[Sequence[int]], weights: dict[str, Any], *, budget: int,
+             block: int = 128, per_block: int = 16) -> dict[str, np.ndarray]:
+    """Exact relative attention-output error [L] of each named weight set ([L, K] arrays) on `prompts`."""
+    cfg = params.config
+    ids = trim(prompts, block)
+    out = {name: np.zeros(cfg.num_layers) for name in weights}
+    for i, window, k, v, rows in layer_data(params, ids, block, per_block):
+        for name, w in weights.items():
+            e, energy = eviction_error(k, v, rows, jnp.asarray(np.asarray(w)[i], jnp.float32), budget=budget,
+                                       block=block, window=window)
+            out[name][i] = float(jnp.sum(e) / jnp.maximum(jnp.sum(energy), 1e-30))
+    return out
+
+
+def describe(weights) -> str:
+    """A one-line summary of weights [L, K]: mean and how many layers lean to values / keys."""
+    w = np.asarray(weights)
+    lw = w.mean(axis=1)
+    return (f"mean w {w.mean():.2f}; layers mostly ValueDiff (w > 0.5): {int((lw > 0.5).sum())}/{len(lw)}, "
+            f"pure ValueDiff {int((lw == 1).sum())}, pure KeyDiff {int((lw == 0).sum())}")
