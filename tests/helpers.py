@@ -51,3 +51,41 @@ def layer0_kv(params: Params, ids: np.ndarray):
     pos = jnp.arange(len(ids))[None]
     _, k, v = tf.project_qkv(lw, h, pos, cfg, jnp.asarray(tf.rope_inv_freq(cfg)))
     return np.asarray(k[0].transpose(1, 0, 2)), np.asarray(v[0].transpose(1, 0, 2))
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_tokenizer(chat: bool = True):
+    """A byte-level BPE (any text encodes) trained on the haystack sentences, with ChatML specials."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from vdjax.needle import ANSWER_PREFIX, INSTRUCTION, NEEDLE, NOISE, QUESTION
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    text = list(NOISE) + [
+        NEEDLE,
+        QUESTION,
+        INSTRUCTION,
+        ANSWER_PREFIX,
+        "What is the capital of France? Paris. The magic number.",
+    ]
+    tok.train_from_iterator(text * 20, trainer)
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHATML if chat else None,
+    )

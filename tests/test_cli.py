@@ -7,43 +7,9 @@ import pytest
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
-
+from helpers import tiny_tokenizer as _tokenizer  # noqa: E402
 from vdjax.cli import main  # noqa: E402
-from vdjax.needle import ANSWER_PREFIX, INSTRUCTION, NEEDLE, NOISE, QUESTION, is_correct, needle_prompt  # noqa: E402
-
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def _tokenizer(chat: bool = True):
-    """A byte-level BPE (any text encodes) trained on the haystack sentences, with ChatML specials."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=320,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    text = list(NOISE) + [
-        NEEDLE,
-        QUESTION,
-        INSTRUCTION,
-        ANSWER_PREFIX,
-        "What is the capital of France? Paris. The magic number.",
-    ]
-    tok.train_from_iterator(text * 20, trainer)
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        chat_template=CHATML if chat else None,
-    )
-
+from vdjax.needle import NEEDLE, is_correct, needle_prompt  # noqa: E402
 
 @pytest.fixture(scope="module")
 def tok():

@@ -3,6 +3,7 @@
     vdjax generate --policy valuediff --budget 256 --prompt "What is the capital of France?"
     vdjax demo --length 2048
     vdjax convert smollm2-135m
+    vdjax analyze --model gemma3-270m --fit
 
 Timings: every policy compiles its own prefill and decode programs on first use. The CLI measures the time
 JAX spends tracing and compiling (jax.monitoring) and reports it apart, so time to first token and decode
@@ -258,21 +259,35 @@ def cmd_generate(args) -> int:
 
 
 # ---- demo --------------------------------------------------------------------------------------------------
-def default_policies() -> list[str]:
-    """dense, every registered policy, and valuediff with 4 protected sink positions."""
+def default_policies(params=None) -> list[str]:
+    """dense, every registered policy, and valuediff with 4 protected sink positions; `hybrid` only when the
+    model has saved hybrid weights (`vdjax analyze`)."""
     from vdjax.policies import POLICIES
 
-    return ["dense"] + [name for name in POLICIES if name != "dense"] + ["valuediff+sinks4"]
+    names = ["dense"] + [name for name in POLICIES if name != "dense"] + ["valuediff+sinks4"]
+    return [n for n in names if n != "hybrid" or _has_hybrid_weights(params)]
+
+
+def _has_hybrid_weights(params) -> bool:
+    """Whether `policy="hybrid"` resolves for these params without explicit weights."""
+    from vdjax.hybrid import resolve_weights
+
+    if params is None:
+        return False
+    try:
+        resolve_weights(params, None)
+        return True
+    except ValueError:
+        return False
 
 
 def cmd_demo(args) -> int:
     """Run dense and every policy on one needle prompt at one budget; print a table of answers and costs."""
-    names = (
-        [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else default_policies()
-    )
-    if not names:
+    names = [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else None
+    if names == []:
         raise UsageError("argument --policies: give a comma-separated list of policy names")
-    dense = {name: check_policy(name, argument="--policies").is_dense for name in names}
+    for name in names or []:
+        check_policy(name, argument="--policies")
     folder = _resolve_model(args.model)
     cache = enable_compile_cache()
 
@@ -288,6 +303,8 @@ def cmd_demo(args) -> int:
 
     wall = time.perf_counter()
     params, tokenizer = vdjax.load(folder), vdjax.load_tokenizer(folder)
+    names = names or default_policies(params)
+    dense = {name: check_policy(name, argument="--policies").is_dense for name in names}
     prompt = needle_prompt(tokenizer, args.length, depth=args.depth, seed=args.seed)
     budget = args.budget or max(64, 64 * round(prompt.n_tokens / 4 / 64))
     console = Console()
@@ -439,7 +456,7 @@ def cmd_eval(args) -> int:
     from vdjax.eval.runner import run_dir
     from vdjax.policies import POLICIES
 
-    names = args.policies or ["dense"] + [p for p in POLICIES if p != "dense"]
+    names = args.policies or ["dense"] + [p for p in POLICIES if p not in ("dense", "hybrid")]
     policies = [check_policy(name, argument="--policies") for name in names]
     evicting = [p.name for p in policies if not p.is_dense]
     if evicting and not args.budgets:
@@ -462,6 +479,10 @@ def cmd_eval(args) -> int:
     if args.data_dir is None and data_param is not None and data_param.default is inspect.Parameter.empty:
         raise UsageError(f"argument --data-dir: benchmark {args.benchmark!r} needs its data folder")
     folder = _resolve_model(args.model)
+    from vdjax.hybrid import FOLDER, METHODS
+
+    if not args.policies and any((Path(folder) / FOLDER / f"{m}.json").is_file() for m in METHODS):
+        policies.append(check_policy("hybrid"))  # the model has saved hybrid weights: the default runs it too
     model_name = args.model if (args.model in _registered_models()) else Path(folder).resolve().name
     cache = enable_compile_cache()
 
@@ -491,6 +512,47 @@ def cmd_eval(args) -> int:
     where = f"; compiled programs cached in {cache}" if cache else ""
     console.print(f"predictions {pred}\nsummary {summary.md_path}, {summary.csv_path}, {summary.png_path}\n"
                   f"wall time {time.perf_counter() - wall:.0f} s{where}")
+    return 0
+
+
+# ---- analyze -----------------------------------------------------------------------------------------------
+def cmd_analyze(args) -> int:
+    """KV-geometry diagnostics of one model (tables, figures), hybrid weights, and the all-models scatter."""
+    from rich.console import Console
+
+    from vdjax.analyze import run
+
+    console = Console()
+    if args.prompts and not Path(args.prompts).is_file():
+        raise UsageError(f"argument --prompts: {args.prompts!r} is not a file")
+    wall = time.perf_counter()
+    try:
+        res = run(args.model, args.out, prompts_file=args.prompts, length=args.length,
+                  per_category=args.per_category, tau=args.tau, topk=args.topk, n_queries=args.n_queries,
+                  jaccard_prompts=args.jaccard_prompts, fit=args.fit, budget=args.budget,
+                  block_size=args.block_size, fit_prompts=args.fit_prompts, fit_steps=args.fit_steps,
+                  per_head=args.per_head, console=console)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    geo, paths = res["geometry"], res["paths"]
+    agg = geo.aggregate()
+    from rich.table import Table
+
+    from vdjax.analyze import AGG_COLUMNS, _LABELS, _fmt
+
+    table = Table(title=f"KV geometry of {geo.model} ({len(geo.prompts)} prompts)")
+    for c in AGG_COLUMNS:
+        table.add_column(_LABELS[c], justify="right")
+    table.add_row(*[_fmt(agg[c]) for c in AGG_COLUMNS])
+    console.print(table)
+    if "held_out_error" in res["hybrid"]:
+        console.print("held-out attention-output error: " + ", ".join(
+            f"{k} {v:.4f}" for k, v in res["hybrid"]["held_out_error"].items()))
+    for key in ("md", "json", "layers", "all-md", "all-png", "hybrid-geometry", "hybrid-fitted", "model-fitted",
+                "model-geometry"):
+        if key in paths:
+            console.print(f"{key:16s} {paths[key]}")
+    console.print(f"wall time {time.perf_counter() - wall:.0f} s")
     return 0
 
 
@@ -571,6 +633,25 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--data-dir", help="benchmark data folder (LongBench, MATH-500)")
     e.add_argument("--seed", type=_int_at_least(0), default=0)
     e.set_defaults(func=cmd_eval)
+
+    a = sub.add_parser("analyze", help="KV-geometry diagnostics (σV/σK, sinks, BOS, Jaccard) + hybrid weights")
+    a.add_argument("--model", default="smollm2-135m", help="registered name or HF checkpoint folder")
+    a.add_argument("--out", default="results/geometry", help="output folder (one subfolder per model)")
+    a.add_argument("--prompts", help="own calibration prompts: .jsonl ({\"text\": ...} per line) or .txt ('---' "
+                                     "separated); default: the built-in narrative/qa/code/math/retrieval set")
+    a.add_argument("--length", type=positive, default=2048, help="tokens per prompt (capped at the model's limit)")
+    a.add_argument("--per-category", type=positive, default=4, help="built-in prompts per category")
+    a.add_argument("--tau", type=_float_in(0, 1, lo_open=True), default=0.3, help="sink threshold")
+    a.add_argument("--topk", type=_int_at_least(0), default=256, help="Jaccard top-k (0 = skip Jaccard)")
+    a.add_argument("--n-queries", type=_int_at_least(2), default=128, help="Jaccard query positions")
+    a.add_argument("--jaccard-prompts", type=_int_at_least(0), default=8)
+    a.add_argument("--fit", action="store_true", help="also fit hybrid weights with optax")
+    a.add_argument("--budget", type=positive, default=256, help="cache budget N the fit targets")
+    a.add_argument("--block-size", type=positive, default=128)
+    a.add_argument("--fit-prompts", type=positive, default=4)
+    a.add_argument("--fit-steps", type=positive, default=60)
+    a.add_argument("--per-head", action="store_true", help="one weight per KV head instead of per layer")
+    a.set_defaults(func=cmd_analyze)
     return parser
 
 

@@ -1,0 +1,268 @@
+"""`vdjax analyze`: KV-geometry tables and figures of one model, hybrid weights, and the all-models scatter.
+
+Writes under OUT/<model>/: geometry.json (every per-head statistic), layers.csv, heads.csv, summary.md,
+sigma_per_layer.png, sink_rate_per_layer.png, ratio_per_layer.png, bos_cos_per_layer.png,
+jaccard_per_layer.png, hybrid-geometry.json (and hybrid-fitted.json with --fit); and under OUT/:
+models.md, models.csv and figure1.png (sink rate vs sigma_v/sigma_k of every model analysed into OUT so far,
+next to the paper's Table 4 models).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from vdjax import geometry as G
+from vdjax import hybrid as HY
+
+AGG_COLUMNS = ("sink_rate", "sigma_k", "sigma_v", "ratio", "bos_attn", "bos_cos", "w_ratio", "s1_ratio", "jaccard",
+               "jaccard_std")
+LAYER_COLUMNS = ("sigma_k", "sigma_k_std", "sigma_v", "sigma_v_std", "ratio", "sink_rate", "bos_attn", "bos_cos",
+                 "w_ratio", "s1_ratio", "jaccard")
+_LABELS = {"sink_rate": "sink rate", "sigma_k": "σK", "sigma_v": "σV", "ratio": "σV/σK", "bos_attn": "ᾱ_BOS",
+           "bos_cos": "BOS key cos", "w_ratio": "‖W_V‖/‖W_K‖", "s1_ratio": "σ1(V)/σ1(K)", "jaccard": "top-k Jaccard",
+           "jaccard_std": "Jaccard std (layers)"}
+
+
+def _fmt(x: Any, digits: int = 3) -> str:
+    """A number for a table (blank for missing)."""
+    if x is None or (isinstance(x, float) and not np.isfinite(x)):
+        return ""
+    return f"{x:.{digits}f}" if isinstance(x, (float, np.floating)) else str(x)
+
+
+def interleave(prompts: Sequence) -> list:
+    """Prompts reordered round-robin over their categories (so any prefix spans every category)."""
+    groups: dict[str, list] = {}
+    for p in prompts:
+        groups.setdefault(p.category, []).append(p)
+    out, i = [], 0
+    while len(out) < len(prompts):
+        out.extend(g[i] for g in groups.values() if i < len(g))
+        i += 1
+    return out
+
+
+def slug(model: str) -> str:
+    """A folder name for a model given as a registered name or a path."""
+    return Path(str(model).rstrip("/")).name or "model"
+
+
+# ---- files of one model ---------------------------------------------------------------------------------
+def write_model(geo: G.Geometry, folder: Path, extra_md: str = "") -> dict[str, Path]:
+    """Write geometry.json, layers.csv, heads.csv, summary.md and the per-layer figures into `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = {"json": folder / "geometry.json", "layers": folder / "layers.csv", "heads": folder / "heads.csv",
+             "md": folder / "summary.md"}
+    paths["json"].write_text(json.dumps(geo.to_json(), indent=1))
+    pl = geo.per_layer()
+    with open(paths["layers"], "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(("layer", "window") + LAYER_COLUMNS)
+        for i in range(len(geo.windows)):
+            w.writerow([i, geo.windows[i] or ""] + [_fmt(float(pl[c][i]), 6) for c in LAYER_COLUMNS])
+    with open(paths["heads"], "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(("layer", "kind", "head", "statistic", "value"))
+        for name, arr in geo.heads.items():
+            kind = "kv" if name in G.HEAD_FIELDS else "query"
+            for i, row in enumerate(arr):
+                for h, x in enumerate(row):
+                    w.writerow([i, kind, h, name, _fmt(float(x), 6)])
+    agg = geo.aggregate()
+    lines = [f"# KV geometry: {geo.model}", "",
+             f"{len(geo.prompts)} prompts ({', '.join(sorted({p['category'] for p in geo.prompts}))}), "
+             f"{min(p['tokens'] for p in geo.prompts)}-{max(p['tokens'] for p in geo.prompts)} tokens; "
+             f"τ = {geo.settings['tau']}, top-{geo.settings['topk']} Jaccard over {geo.settings['n_queries']} "
+             f"query positions on {geo.settings['jaccard_prompts']} prompts.", "",
+             "| " + " | ".join(_LABELS[c] for c in AGG_COLUMNS) + " |",
+             "|" + "---|" * len(AGG_COLUMNS),
+             "| " + " | ".join(_fmt(agg[c]) for c in AGG_COLUMNS) + " |", "",
+             "## Per layer", "",
+             "| layer | window | σK | σV | σV/σK | sink rate | ᾱ_BOS | BOS key cos | ‖W_V‖/‖W_K‖ | σ1(V)/σ1(K) | Jaccard |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for i in range(len(geo.windows)):
+        cells = [pl[c][i] for c in ("sigma_k", "sigma_v", "ratio", "sink_rate", "bos_attn", "bos_cos", "w_ratio",
+                                    "s1_ratio", "jaccard")]
+        lines.append(f"| {i} | {geo.windows[i] or 'global'} | " + " | ".join(_fmt(float(x)) for x in cells) + " |")
+    paths["md"].write_text("\n".join(lines) + "\n" + extra_md)
+    paths.update(_layer_figures(geo, folder))
+    return paths
+
+
+def _layer_figures(geo: G.Geometry, folder: Path) -> dict[str, Path]:
+    """Per-layer PNGs: sigma_k/sigma_v (head-std error bars), sink rate, sigma_v/sigma_k, BOS cos, Jaccard."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pl, x = geo.per_layer(), np.arange(len(geo.windows))
+    out = {}
+
+    def figure(name, draw, ylabel, hline=None):
+        fig, ax = plt.subplots(figsize=(7, 3.2))
+        draw(ax)
+        if hline is not None:
+            ax.axhline(hline, color="k", ls="--", lw=0.8)
+        ax.set_xlabel("layer")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{geo.model}: {ylabel} per layer", fontsize=10)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = folder / f"{name}.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        out[name] = path
+
+    def sigmas(ax):
+        ax.errorbar(x, pl["sigma_k"], yerr=pl["sigma_k_std"], fmt="o-", color="grey", ms=3, capsize=2, label="σK")
+        ax.errorbar(x, pl["sigma_v"], yerr=pl["sigma_v_std"], fmt="o-", color="C0", ms=3, capsize=2, label="σV")
+        ax.legend(fontsize=8)
+
+    figure("sigma_per_layer", sigmas, "σK, σV")
+    figure("sink_rate_per_layer", lambda ax: ax.plot(x, pl["sink_rate"], "o-", ms=3), f"sink rate (τ={geo.settings['tau']})")
+    figure("ratio_per_layer", lambda ax: ax.plot(x, pl["ratio"], "o-", ms=3), "σV/σK", hline=1.0)
+    figure("bos_cos_per_layer", lambda ax: ax.plot(x, pl["bos_cos"], "o-", ms=3), "BOS key cosine", hline=0.0)
+    if np.isfinite(pl["jaccard"]).any():
+        figure("jaccard_per_layer", lambda ax: ax.plot(x, pl["jaccard"], "o-", ms=3),
+               f"top-{geo.settings['topk']} Jaccard")
+    return out
+
+
+# ---- every model analysed so far ------------------------------------------------------------------------
+def collect(out: Path) -> list[G.Geometry]:
+    """Every OUT/*/geometry.json, sorted by model name."""
+    found = []
+    for path in sorted(Path(out).glob("*/geometry.json")):
+        try:
+            found.append(G.Geometry.from_json(json.loads(path.read_text())))
+        except (ValueError, KeyError, json.JSONDecodeError):
+            continue  # not ours, or half-written by a crashed run: skip it
+    return found
+
+
+def write_models(out: Path, paper: bool = True) -> dict[str, Path]:
+    """OUT/models.md, models.csv (every analysed model, then the paper's rows) and figure1.png."""
+    out = Path(out)
+    geos = collect(out)
+    rows = [{"model": g.model, "source": "vdjax", **g.aggregate()} for g in geos]
+    if paper:
+        for name, values in G.PAPER.items():
+            rec = dict(zip(G.PAPER_COLUMNS, values))
+            rows.append({"model": name, "source": "paper", **{k: (np.nan if v is None else v) for k, v in rec.items()}})
+    paths = {"csv": out / "models.csv", "md": out / "models.md", "png": out / "figure1.png"}
+    cols = ("model", "source", "mechanism") + AGG_COLUMNS
+    with open(paths["csv"], "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(cols)
+        for r in rows:
+            w.writerow([_fmt(r.get(c)) for c in cols])
+    md = ["| model | source | " + " | ".join(_LABELS[c] for c in AGG_COLUMNS) + " |", "|---|---|" + "---|" * len(AGG_COLUMNS)]
+    md += ["| " + " | ".join([r["model"], r["source"]] + [_fmt(r.get(c)) for c in AGG_COLUMNS]) + " |" for r in rows]
+    paths["md"].write_text("\n".join(md) + "\n")
+    _scatter(rows, paths["png"])
+    return paths
+
+
+def _scatter(rows: list[dict], path: Path) -> None:
+    """Figure 1: sink rate (x) vs sigma_v/sigma_k (y), the value-dominant region (y > 1) shaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    ax.axhspan(1.0, 10, color="C2", alpha=0.08, lw=0)
+    ax.axhline(1.0, color="k", ls="--", lw=0.8)
+    for r in rows:
+        ours = r["source"] == "vdjax"
+        ax.scatter(r["sink_rate"], r["ratio"], s=46 if ours else 30, marker="o" if ours else "s",
+                   facecolors="C3" if ours else "none", edgecolors="C3" if ours else "grey", zorder=3)
+        ax.annotate(r["model"], (r["sink_rate"], r["ratio"]), fontsize=7, xytext=(4, 3), textcoords="offset points",
+                    color="k" if ours else "grey")
+    top = max([1.8] + [r["ratio"] + 0.2 for r in rows if np.isfinite(r["ratio"])])
+    ax.set_ylim(0, top)
+    ax.set_xlim(-0.05, 1.0)
+    ax.set_xlabel("sink rate (τ = 0.3)")
+    ax.set_ylabel("σV / σK")
+    ax.set_title("Sink rate vs σV/σK (filled: measured by vdjax; grey squares: paper, Table 4)", fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+# ---- the command ----------------------------------------------------------------------------------------
+def run(model: str, out: str | os.PathLike, *, prompts_file: str | None = None, length: int = 2048,
+        per_category: int = 4, tau: float = G.TAU, topk: int = G.TOPK, n_queries: int = G.N_QUERIES,
+        jaccard_prompts: int = 8, fit: bool = False, budget: int = 256, block_size: int = 128,
+        fit_prompts: int = 4, fit_steps: int = 60, per_head: bool = False, save_to_model: bool = True,
+        console=None) -> dict[str, Any]:
+    """Analyse `model` into OUT/<model>/, write hybrid weights (geometry rule; fitted with `fit`), refresh
+    OUT's all-models table and scatter. Returns {"geometry": Geometry, "paths": {...}, "hybrid": {...}}."""
+    import vdjax
+    from vdjax.calibration import calibration_prompts, prompts_from_file
+
+    say = console.print if console is not None else (lambda *a, **k: None)
+    params, tok = vdjax.load(model), vdjax.load_tokenizer(model)
+    cfg = params.config
+    limit = getattr(cfg, "max_position_embeddings", None) or length
+    length = min(length, limit)
+    if prompts_file:
+        prompts = prompts_from_file(prompts_file, tok, length)
+    else:
+        prompts = interleave(calibration_prompts(tok, length=length, per_category=per_category))
+    name = slug(model)
+    folder = Path(out) / name
+    say(f"analyse {name}: {len(prompts)} prompts of {length} tokens, Jaccard on {jaccard_prompts} -> {folder}")
+    geo = G.analyze(params, prompts, model=name, tau=tau, topk=topk, n_queries=n_queries,
+                    jaccard_prompts=jaccard_prompts, progress=console is not None)
+    hyb: dict[str, Any] = {}
+    w_geo = HY.geometry_weights(geo, per_head=per_head)
+    hyb["geometry"] = w_geo
+    info = {"per_head": per_head, "rule": "w = 1 - (1 - clip((r - 0.5) / 0.5)) * clip(bos_cos / -0.3)"}
+    paths = {"hybrid-geometry": HY.save_weights(folder / "hybrid-geometry.json", w_geo, method="geometry",
+                                                model=name, info=info)}
+    extra = f"\n## Hybrid weights\n\ngeometry rule ({'per head' if per_head else 'per layer'}): {HY.describe(w_geo)}\n"
+    if fit:
+        ids = [list(p.ids) for p in prompts]
+        if len(ids) < 2:
+            raise ValueError("--fit needs at least 2 prompts (fitting ones plus one held out)")
+        n_fit = min(fit_prompts, len(ids) - 1)
+        held = ids[n_fit]  # the next prompt (another category when built in) is held out
+        say(f"fit hybrid weights on {n_fit} prompts (N={budget}, B={block_size}, {fit_steps} Adam steps per layer)")
+        w_fit, fit_info = HY.fit(params, ids[:n_fit], budget=budget, block=block_size, per_head=per_head,
+                                 w0=w_geo, steps=fit_steps, progress=console is not None)
+        hyb["fitted"] = w_fit
+        errors = HY.evaluate(params, [held], {"fitted": w_fit, "geometry": w_geo,
+                                              "valuediff": np.ones_like(w_fit), "keydiff": np.zeros_like(w_fit)},
+                             budget=budget, block=block_size)
+        hyb["held_out_error"] = {k: float(v.mean()) for k, v in errors.items()}
+        fit_meta = {"per_head": per_head, "budget": budget, "block_size": block_size, "steps": fit_steps,
+                    "fit_prompts": [p.name for p in prompts[:n_fit]], "held_out": prompts[n_fit].name,
+                    "held_out_error_per_layer": {k: v.tolist() for k, v in errors.items()}, "layers": fit_info}
+        paths["hybrid-fitted"] = HY.save_weights(folder / "hybrid-fitted.json", w_fit, method="fitted", model=name,
+                                                 info=fit_meta)
+        extra += (f"\nfitted (N={budget}, B={block_size}, on {n_fit} prompts): {HY.describe(w_fit)}\n\n"
+                  f"Attention-output error of block eviction on the held-out prompt {prompts[n_fit].name!r} "
+                  f"(relative, mean over layers):\n\n| weights | error |\n|---|---|\n"
+                  + "".join(f"| {k} | {v:.4f} |\n" for k, v in hyb["held_out_error"].items()))
+    if save_to_model and params.source is not None:
+        for method in hyb.keys() & set(HY.METHODS):
+            target = HY.model_weights_path(params, method)
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(paths[f"hybrid-{method}"], target)
+                paths[f"model-{method}"] = target
+            except OSError as e:  # a read-only checkpoint folder: the copy under OUT still works by path
+                say(f"could not save {method} weights next to the model ({e}); use weights={paths[f'hybrid-{method}']}")
+    paths.update(write_model(geo, folder, extra))
+    paths.update({f"all-{k}": v for k, v in write_models(Path(out)).items()})
+    return {"geometry": geo, "paths": paths, "hybrid": hyb}
