@@ -380,6 +380,7 @@ def evaluate(
     policy_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
     metrics: Mapping[str, Callable] | None = None,
     progress: bool = True,
+    mesh=None,
 ) -> Path:
     """Run every (sample, policy, budget) not yet in the run's predictions.jsonl; return that file's path.
 
@@ -390,7 +391,9 @@ def evaluate(
     `policy_kwargs`: {policy name: {keyword: value}}. `batch_size` > 1 runs up to that many samples of one
     task in one ragged `vdjax.run` call (only samples that stop alike at newlines, and under
     question_agnostic of equal question length, share a call). `metrics` overrides
-    `vdjax.eval.metrics.METRICS` ({name: fn(prediction, answers, sample) -> [0, 1]}).
+    `vdjax.eval.metrics.METRICS` ({name: fn(prediction, answers, sample) -> [0, 1]}). `mesh` (a jax Mesh with
+    axes "data" and "model", `vdjax.sharding.make_mesh`): params are sharded on it once and each call's
+    `batch_size` samples are split over "data" (best a multiple of its size; heads / MLP width over "model").
     """
     from vdjax.cli import timed_run
 
@@ -410,6 +413,10 @@ def evaluate(
         raise ValueError(f"data_dir={str(data_dir)!r} is not a folder")
     if metrics is None:
         from vdjax.eval.metrics import METRICS as metrics
+    if mesh is not None:
+        from vdjax.sharding import shard_params
+
+        params = shard_params(params, mesh)  # once: every call then finds its weights in place
 
     folder = run_dir(out_dir, name, model_name, protocol, length)
     folder.mkdir(parents=True, exist_ok=True)
@@ -467,6 +474,7 @@ def evaluate(
         "policies": [pol.name for pol, _ in pols], "budgets": budgets,
         "hyper": {pol.name: dict(hyper) for pol, hyper in pols}, "batch_size": batch_size,
         "data_dir": None if data_dir is None else str(data_dir), "model_config": _model_summary(params),
+        "mesh": None if mesh is None else dict(mesh.shape),
         **_environment(),
     }
     meta["invocations"] = meta.get("invocations", []) + [invocation]
@@ -523,7 +531,7 @@ def evaluate(
                     row_eos = set(newline_eos) if stop else eos
                     gen, prefill_s, decode_s, compile_s = timed_run(
                         params, ids, pol, budget, block_size=block_size, max_new_tokens=max_new,
-                        question=question, **stop_kw, **dict(hyper))
+                        question=question, mesh=mesh, **stop_kw, **dict(hyper))
                     for r, s in enumerate(todo):
                         new = _truncate_new(gen.tokens[r], s.max_new_tokens, row_eos)
                         prediction = tokenizer.decode(new, skip_special_tokens=True)

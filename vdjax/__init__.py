@@ -8,11 +8,12 @@
 from vdjax.cache import KVCache, LayerCache, keep_mask, topk_gather
 from vdjax.pipeline import Generation, generate, prefill, run
 from vdjax.policies import POLICIES, AttnInfo, Policy, combine, get_policy, protect_recent, protect_sinks, register
+from vdjax.sharding import make_mesh, shard_params
 
 __all__ = [
     "AttnInfo", "Generation", "KVCache", "LayerCache", "POLICIES", "Policy", "combine", "generate", "get_policy",
-    "keep_mask", "load", "load_tokenizer", "prefill", "protect_recent", "protect_sinks", "register", "run",
-    "topk_gather",
+    "keep_mask", "load", "load_tokenizer", "make_mesh", "prefill", "protect_recent", "protect_sinks", "register",
+    "run", "shard_params", "topk_gather",
 ]
 
 

@@ -86,6 +86,30 @@ def _policy_arg(text: str) -> tuple[str, object]:
         return name, raw
 
 
+def _mesh_shape(text: str) -> tuple[int, int]:
+    """argparse type: device-mesh sizes DATAxMODEL, e.g. 2x4 (2-way batch split, 4-way head split)."""
+    data, sep, model = text.lower().partition("x")
+    try:
+        sizes = (int(data), int(model)) if sep else (0, 0)
+    except ValueError:
+        sizes = (0, 0)
+    if min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"must look like DATAxMODEL, sizes >= 1 (e.g. 2x4), got {text!r}")
+    return sizes
+
+
+def _cli_mesh(shape):
+    """The jax Mesh of --mesh DATAxMODEL (None without it), or a UsageError when the devices do not fit."""
+    if shape is None:
+        return None
+    from vdjax.sharding import make_mesh
+
+    try:
+        return make_mesh(*shape)
+    except ValueError as e:
+        raise UsageError(f"argument --mesh: {e}") from None
+
+
 def check_policy(name: str, policy_args=(), argument: str = "--policy"):
     """The Policy for `name` with its keyword overrides checked, or a UsageError naming the allowed values."""
     from vdjax.policies import get_policy
@@ -197,6 +221,7 @@ def cmd_generate(args) -> int:
             f"argument --budget: policy {policy.name!r} needs --budget N (cache slots per head, "
             ">= 1); only 'dense' does not"
         )
+    mesh = _cli_mesh(args.mesh)
     if args.prompt_file is not None:
         path = Path(args.prompt_file)
         if not path.is_file():
@@ -230,6 +255,7 @@ def cmd_generate(args) -> int:
         top_k=args.top_k,
         top_p=args.top_p,
         key=jax.random.key(args.seed),
+        mesh=mesh,
         **dict(args.policy_arg),
     )
 
@@ -252,6 +278,8 @@ def cmd_generate(args) -> int:
         f"cache bytes         {_mib(gen.cache.nbytes())} vs {_mib(dense_bytes)} for a dense cache of "
         f"{seen} tokens{'' if seen > n else ' (the sequence fits the budget: nothing was evicted)'}"
     )
+    if mesh is not None:
+        print(f"devices             {mesh.size} (data {mesh.shape['data']} x model {mesh.shape['model']})")
     print(f"time to first token {ttft:.2f} s (+ {compile_s:.1f} s jit compile, prefill and decode)")
     rate = f"{gen.steps / decode_s:.1f} tok/s" if gen.steps and decode_s > 0 else "n/a"
     print(f"decode              {rate} ({new} new tokens, {gen.steps} decode steps in {decode_s:.2f} s)")
@@ -478,6 +506,7 @@ def cmd_eval(args) -> int:
     data_param = inspect.signature(module.build).parameters.get("data_dir")
     if args.data_dir is None and data_param is not None and data_param.default is inspect.Parameter.empty:
         raise UsageError(f"argument --data-dir: benchmark {args.benchmark!r} needs its data folder")
+    mesh = _cli_mesh(args.mesh)
     folder = _resolve_model(args.model)
     from vdjax.hybrid import FOLDER, METHODS
 
@@ -503,7 +532,8 @@ def cmd_eval(args) -> int:
         pred = evaluate(params, tokenizer, module, model_name=model_name, tasks=args.tasks,
                         policies=[p.name for p in policies], budgets=args.budgets or None, length=args.length,
                         num_samples=args.samples, seed=args.seed, out_dir=args.out, protocol=args.protocol,
-                        block_size=args.block_size, batch_size=args.batch_size, data_dir=args.data_dir)
+                        block_size=args.block_size, batch_size=args.batch_size, data_dir=args.data_dir,
+                        mesh=mesh)
     except (ValueError, FileNotFoundError) as e:  # another seed's results in --out, missing data files, ...
         raise UsageError(str(e)) from None
     summary = summarize(pred)
@@ -581,6 +611,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=_float_in(0, 1, lo_open=True), default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    g.add_argument("--mesh", type=_mesh_shape, metavar="DATAxMODEL",
+                   help="run on a device mesh, e.g. 2x4: batch over 2, attention heads / MLP over 4 devices")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt")
     src.add_argument("--prompt-file")
@@ -632,6 +664,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--batch-size", type=positive, default=1, help="samples per vdjax.run call")
     e.add_argument("--data-dir", help="benchmark data folder (LongBench, MATH-500)")
     e.add_argument("--seed", type=_int_at_least(0), default=0)
+    e.add_argument("--mesh", type=_mesh_shape, metavar="DATAxMODEL",
+                   help="device mesh, e.g. 4x1: each --batch-size batch split over 4 devices")
     e.set_defaults(func=cmd_eval)
 
     a = sub.add_parser("analyze", help="KV-geometry diagnostics (σV/σK, sinks, BOS, Jaccard) + hybrid weights")

@@ -27,6 +27,7 @@ from vdjax.models import transformer as tf
 from vdjax.models.params import Params
 from vdjax.policies import AttnInfo, Policy, get_policy
 from vdjax.sampling import check_sampling, sample
+from vdjax.sharding import batch_sharding, check_mesh, constrain_cache, shard_params
 
 def bucket(n: int) -> int:
     """Smallest value of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (at most 1.5x apart) that is >= n."""
@@ -110,9 +111,12 @@ def layer_slots(cfg, slots: int, dense: bool) -> tuple[int, ...]:
                  for i in range(cfg.num_layers))
 
 
-@functools.partial(jax.jit, static_argnames=("policy", "hyper", "slots", "block"))
-def _prefill(params: Params, tokens, lengths, *, policy: Policy, hyper, slots: int, block: int):
-    """tokens [B, nb*S] (row r real up to lengths[r]) -> (cache with `slots` slots, last logits [B, V])."""
+@functools.partial(jax.jit, static_argnames=("policy", "hyper", "slots", "block", "mesh"))
+def _prefill(params: Params, tokens, lengths, *, policy: Policy, hyper, slots: int, block: int, mesh=None):
+    """tokens [B, nb*S] (row r real up to lengths[r]) -> (cache with `slots` slots, last logits [B, V]).
+
+    With a mesh the cache carry is pinned to `sharding.cache_sharding` (rows on "data", KV heads on "model").
+    """
     cfg = params.config
     b, t = tokens.shape
     nb = t // block
@@ -121,6 +125,7 @@ def _prefill(params: Params, tokens, lengths, *, policy: Policy, hyper, slots: i
     xs = (tokens.reshape(b, nb, block).swapaxes(0, 1), q_pos.reshape(b, nb, block).swapaxes(0, 1))
     cache = KVCache.empty(cfg.num_layers, b, cfg.num_kv_heads, layer_slots(cfg, slots, policy.is_dense),
                           cfg.head_dim, params.dtype)
+    cache = constrain_cache(cache, mesh)
     h_last = jnp.zeros((b, cfg.hidden_size), params.dtype)
 
     def block_step(carry, xs):
@@ -129,6 +134,7 @@ def _prefill(params: Params, tokens, lengths, *, policy: Policy, hyper, slots: i
         def run(carry):
             cache, h_last = carry
             x, cache = _run_layers(params, policy, hyper, cache, tf.embed(params, tok), qp)
+            cache = constrain_cache(cache, mesh)
             is_last = qp == (lengths - 1)[:, None]  # [B, S]
             h = jnp.sum(jnp.where(is_last[..., None], x, 0), axis=1)
             return cache, jnp.where(jnp.any(is_last, axis=1)[:, None], h, h_last)
@@ -139,14 +145,16 @@ def _prefill(params: Params, tokens, lengths, *, policy: Policy, hyper, slots: i
     return cache, tf.final_logits(params, h_last)
 
 
-@functools.partial(jax.jit, static_argnames=("policy", "hyper"))
-def _extend(params: Params, cache: KVCache, tokens, q_pos, *, policy: Policy, hyper):
+@functools.partial(jax.jit, static_argnames=("policy", "hyper", "mesh"))
+def _extend(params: Params, cache: KVCache, tokens, q_pos, *, policy: Policy, hyper, mesh=None):
     """Append one block tokens [B, S] at positions q_pos [B, S] (-1 = padding) -> (cache, last logits [B, V]).
 
     Used for the question of the question-agnostic protocol: the cache has room for every question token,
     so the policy scores them but evicts nothing.
     """
+    cache = constrain_cache(cache, mesh)
     x, cache = _run_layers(params, policy, hyper, cache, tf.embed(params, tokens), q_pos)
+    cache = constrain_cache(cache, mesh)
     is_last = q_pos == jnp.max(q_pos, axis=1, keepdims=True)  # [B, S]
     return cache, tf.final_logits(params, jnp.sum(jnp.where(is_last[..., None], x, 0), axis=1))
 
@@ -176,15 +184,18 @@ QUESTION_PAD = 32  # question-agnostic protocol: the cache grows by the question
 
 
 @functools.partial(
-    jax.jit, static_argnames=("policy", "hyper", "max_out", "temperature", "top_k", "top_p", "min_new"),
-    donate_argnums=(1,)
+    jax.jit,
+    static_argnames=("policy", "hyper", "max_out", "temperature", "top_k", "top_p", "min_new", "mesh"),
+    donate_argnums=(1,),
 )
 def _decode(params, cache, logits, lengths, key, eos, pad, max_new, *, policy, hyper, max_out, temperature, top_k,
-            top_p, min_new=0):
+            top_p, min_new=0, mesh=None, live=None):
     """Sample max_new (<= max_out, traced: one program per bucket) tokens into [B, max_out] from the prefill
     logits, evicting once per layer per step.
 
     The first `min_new` tokens cannot be EOS (their EOS logits are masked, as HF's min_new_tokens).
+    `live` [B] bool (None = all): rows marked False (the mesh's padding rows) count as done from the start.
+    With a mesh the cache carry is pinned to `sharding.cache_sharding`.
     """
     b = logits.shape[0]
     is_eos = jnp.zeros((logits.shape[-1],), bool).at[eos].set(True, mode="drop")  # [V]
@@ -196,6 +207,8 @@ def _decode(params, cache, logits, lengths, key, eos, pad, max_new, *, policy, h
     first = sample(no_eos_before_min(logits, 0), sub, temperature, top_k, top_p)
     out = jnp.full((b, max_out), pad, jnp.int32).at[:, 0].set(first)
     done = jnp.isin(first, eos)
+    if live is not None:
+        done = done | ~live
 
     def cond(state):
         i, _, _, done, _, _ = state
@@ -205,11 +218,13 @@ def _decode(params, cache, logits, lengths, key, eos, pad, max_new, *, policy, h
         i, cache, tok, done, out, key = state
         q_pos = (lengths + i - 1)[:, None]  # [B, 1] the fed token's position
         x, cache = _run_layers(params, policy, hyper, cache, tf.embed(params, tok[:, None]), q_pos)
+        cache = constrain_cache(cache, mesh)
         key, sub = jax.random.split(key)
         nxt = sample(no_eos_before_min(tf.final_logits(params, x[:, 0]), i), sub, temperature, top_k, top_p)
         nxt = jnp.where(done, pad, nxt)
         return i + 1, cache, nxt, done | jnp.isin(nxt, eos), out.at[:, i].set(nxt), key
 
+    cache = constrain_cache(cache, mesh)
     i, cache, _, _, out, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), cache, first, done, out, key))
     return out, i, cache
 
@@ -301,6 +316,47 @@ def plan(params, ids, policy, budget, block_size, extra_tokens=0, attention_mask
     return Plan(padded, lengths, block, slots, pol, hyper)
 
 
+# ---- multi-device ---------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Placed:
+    """Inputs of one call placed on a mesh: params sharded, rows padded to a multiple of the "data" size."""
+
+    params: Params
+    tokens: jax.Array  # [B_pad, T] on the batch sharding
+    lengths: jax.Array  # [B_pad]
+    host_lengths: np.ndarray  # [B_pad] the same, on the host
+    rows: int  # B, the real rows (the first B of B_pad)
+    live: jax.Array | None  # [B_pad] bool, False on padding rows; None when nothing was padded
+
+    def pad_rows(self, a: np.ndarray) -> np.ndarray:
+        """Per-row numpy data [B, ...] padded to [B_pad, ...] with copies of row 0."""
+        extra = self.tokens.shape[0] - a.shape[0]
+        return a if not extra else np.concatenate([a, np.repeat(a[:1], extra, axis=0)])
+
+    def real(self, tree):
+        """The real rows [B, ...] of every array of a per-row pytree (a cache, logits)."""
+        if self.live is None:
+            return tree
+        return jax.tree.map(lambda x: x[: self.rows], tree)
+
+
+def place(params: Params, tokens: np.ndarray, lengths: np.ndarray, mesh) -> Placed:
+    """Shard params on `mesh`, pad the batch to a multiple of its "data" size and split tokens and lengths
+    over "data". Dummy rows hold row 0's first token, length 1 (rows evict independently: they change nothing).
+    """
+    check_mesh(mesh)
+    b = tokens.shape[0]
+    extra = -b % mesh.shape["data"]
+    if extra:
+        tokens = np.concatenate([tokens, np.zeros((extra, tokens.shape[1]), tokens.dtype)])
+        tokens[b:, 0] = tokens[0, 0]
+        lengths = np.concatenate([lengths, np.ones(extra, lengths.dtype)])
+    rows = batch_sharding(mesh)
+    live = jax.device_put(np.arange(b + extra) < b, rows) if extra else None
+    return Placed(shard_params(params, mesh), jax.device_put(tokens, rows), jax.device_put(lengths, rows),
+                  lengths, b, live)
+
+
 # ---- public API -----------------------------------------------------------------------------------------
 def prefill(
     params: Params,
@@ -310,12 +366,22 @@ def prefill(
     block_size: int = 128,
     *,
     attention_mask=None,
+    mesh=None,
     **policy_kwargs,
 ) -> tuple[KVCache, jax.Array]:
-    """Block-prefill a prompt under eviction; returns (cache, last-token logits [batch, V])."""
+    """Block-prefill a prompt under eviction; returns (cache, last-token logits [batch, V]).
+
+    `mesh` (a jax Mesh with axes "data" and "model", see `vdjax.sharding`) splits the batch over "data" and
+    attention heads / MLP width over "model"; the cache comes back sharded the same way.
+    """
     p = plan(params, ids, policy, budget, block_size, 0, attention_mask, **policy_kwargs)
-    return _prefill(params, jnp.asarray(p.tokens), jnp.asarray(p.lengths), policy=p.policy, hyper=p.hyper,
-                    slots=p.slots, block=p.block)
+    if mesh is None:
+        return _prefill(params, jnp.asarray(p.tokens), jnp.asarray(p.lengths), policy=p.policy, hyper=p.hyper,
+                        slots=p.slots, block=p.block)
+    x = place(params, p.tokens, p.lengths, mesh)
+    out = _prefill(x.params, x.tokens, x.lengths, policy=p.policy, hyper=p.hyper, slots=p.slots,
+                   block=p.block, mesh=mesh)
+    return x.real(out)
 
 
 @dataclasses.dataclass
@@ -348,6 +414,7 @@ def run(
     eos_token_id: int | Sequence[int] | None = None,
     min_new_tokens: int = 0,
     question=None,
+    mesh=None,
     **policy_kwargs,
 ) -> Generation:
     """`generate` plus timings and the final cache.
@@ -355,6 +422,9 @@ def run(
     `question` (ids, [Q] or one row per prompt, all of one length) selects the question-agnostic protocol:
     `ids` (the context) is block-prefilled and cut to `budget`, then the question is appended whole (the cache
     grows by Q rounded up to QUESTION_PAD slots, nothing evicted) and decoding evicts within that larger cache.
+
+    `mesh` (a jax Mesh with axes "data" and "model", see `vdjax.sharding`): rows split over "data" (padded
+    to a multiple of its size with dummy rows, dropped again), heads / MLP width over "model".
     """
     max_new = _check_int("max_new_tokens", max_new_tokens)
     min_new = _check_int("min_new_tokens", min_new_tokens, 0)
@@ -372,29 +442,42 @@ def run(
     eos = jnp.asarray(np.atleast_1d(np.asarray(eos if eos is not None else [], np.int32)).reshape(-1), jnp.int32)
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else (int(eos[0]) if eos.size else 0)
     key = jax.random.key(0) if key is None else key
-    lengths = jnp.asarray(p.lengths)
+    if mesh is None:
+        x, live, sharded = None, None, {}
+        tokens, lengths, row_lengths = jnp.asarray(p.tokens), jnp.asarray(p.lengths), p.lengths
+    else:
+        x = place(params, p.tokens, p.lengths, mesh)
+        params, tokens, lengths, row_lengths, live = x.params, x.tokens, x.lengths, x.host_lengths, x.live
+        sharded = {"mesh": mesh}
     t0 = time.perf_counter()
-    cache, logits = _prefill(params, jnp.asarray(p.tokens), lengths, policy=p.policy, hyper=p.hyper,
-                             slots=p.slots, block=p.block)
+    cache, logits = _prefill(params, tokens, lengths, policy=p.policy, hyper=p.hyper, slots=p.slots,
+                             block=p.block, **sharded)
     slots = p.slots
     if q_ids is not None:
+        if x is not None:
+            q_ids = x.pad_rows(q_ids)
         q_len = q_ids.shape[1]
-        tokens = np.zeros((q_ids.shape[0], extra_q), np.int32)
-        tokens[:, :q_len] = q_ids
-        q_pos = np.where(np.arange(extra_q)[None] < q_len, p.lengths[:, None] + np.arange(extra_q)[None], -1)
+        q_tokens = np.zeros((q_ids.shape[0], extra_q), np.int32)
+        q_tokens[:, :q_len] = q_ids
+        steps_q = np.arange(extra_q)[None]
+        q_pos = np.where(steps_q < q_len, row_lengths[:, None] + steps_q, -1)
         if not p.policy.is_dense:
             cache, slots = _grow(cache, extra_q), slots + extra_q
-        cache, logits = _extend(params, cache, jnp.asarray(tokens), jnp.asarray(q_pos, jnp.int32),
-                                policy=p.policy, hyper=p.hyper)
+        cache, logits = _extend(params, cache, jnp.asarray(q_tokens), jnp.asarray(q_pos, jnp.int32),
+                                policy=p.policy, hyper=p.hyper, **sharded)
         lengths = lengths + q_len
     logits.block_until_ready()
     t1 = time.perf_counter()
+    if live is not None:
+        sharded["live"] = live
     out, steps, cache = _decode(params, cache, logits, lengths, key, eos, jnp.int32(pad), jnp.int32(max_new),
                                 policy=p.policy, hyper=p.hyper, max_out=max_out, temperature=float(temperature),
-                                top_k=int(top_k), top_p=float(top_p), min_new=min_new)
+                                top_k=int(top_k), top_p=float(top_p), min_new=min_new, **sharded)
     out = np.asarray(out)
     t2 = time.perf_counter()
     steps = int(steps)
+    if x is not None:
+        out, cache = out[: x.rows], x.real(cache)
     return Generation(out[:, :steps], cache, t1 - t0, t2 - t1, steps - 1, p.policy.name, p.hyper, slots)
 
 
@@ -410,7 +493,7 @@ def generate(
     """Generate up to `max_new_tokens` tokens [batch, new] with block prefill + per-step eviction to `budget`.
 
     Keywords: attention_mask (left padding), temperature/top_k/top_p with an explicit `key`, eos_token_id,
-    min_new_tokens (EOS masked before), question (question-agnostic protocol, see `run`) and the policy's
-    hyper-parameters (e.g. n_sink=4 for streaming).
+    min_new_tokens (EOS masked before), question (question-agnostic protocol, see `run`), mesh (several
+    devices, see `vdjax.sharding`) and the policy's hyper-parameters (e.g. n_sink=4 for streaming).
     """
     return run(params, ids, policy, budget, block_size, max_new_tokens, **kwargs).tokens
