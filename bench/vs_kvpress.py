@@ -124,6 +124,17 @@ def match_rows(full: np.ndarray, kept: np.ndarray) -> np.ndarray:
     return out
 
 
+def measure(once, a) -> tuple[dict, list[float]]:
+    """The fastest of best_of (retried under load) and a.reps - 1 more runs of `once`, and every run's seconds."""
+    res = B.best_of(once, lambda r: r["s"], lambda r: r["other_load"], a.retries, a.max_wait, log)
+    runs = [res["s"]]
+    for _ in range(a.reps - 1):
+        r = once()
+        runs.append(r["s"])
+        res = min(res, r, key=lambda r: r["s"])
+    return res, runs
+
+
 def worker_kvpress(a) -> dict:
     import torch
 
@@ -203,12 +214,7 @@ def worker_kvpress(a) -> dict:
         def once(press=press):
             return generate(press)
 
-        res = B.best_of(once, lambda r: r["s"], lambda r: r["other_load"], a.retries, a.max_wait, log)
-        runs = [res["s"]]
-        for _ in range(a.reps - 1):
-            r = once()
-            runs.append(r["s"])
-            res = min(res, r, key=lambda r: r["s"])
+        res, runs = measure(once, a)
         out[policy] = res | {"runs_s": runs, "warm_s": warm["s"], "press": repr(press),
                              "unmatched": int((kept < 0).sum()), "tokens_warm": warm["tokens"]}
         log(f"  kvpress {policy:9s} T={a.T}: {res['s']:.2f} s (prefill {res['prefill_s']:.2f} + decode "
@@ -247,12 +253,7 @@ def worker_vdjax(a) -> dict:
             return {"s": dt, "prefill_s": g.prefill_s, "decode_s": g.decode_s, "other_load": ol.cores,
                     "tokens": g.tokens[0].tolist(), "compiled": compiled() - before, "slots": int(g.cache.budget)}
 
-        res = B.best_of(once, lambda r: r["s"], lambda r: r["other_load"], a.retries, a.max_wait, log)
-        runs = [res["s"]]
-        for _ in range(a.reps - 1):
-            r = once()
-            runs.append(r["s"])
-            res = min(res, r, key=lambda r: r["s"])
+        res, runs = measure(once, a)
         out[policy] = res | {"runs_s": runs, "warm_s": warm_s, "tokens_warm": warm.tokens[0].tolist(),
                              "hyper": kw}
         log(f"  vdjax   {policy:9s} T={a.T}: {res['s']:.2f} s (prefill {res['prefill_s']:.2f} + decode "

@@ -235,6 +235,10 @@ def _soft_loss(theta, k, v, rows, temp, *, budget, block, window):
     return jnp.sum(err) / jnp.maximum(jnp.sum(energy), 1e-30)
 
 
+# one compiled program per (shapes, budget, block, window), shared by every layer and call
+_loss_and_grad = jax.jit(jax.value_and_grad(_soft_loss), static_argnames=("budget", "block", "window"))
+
+
 def fit_layer(k, v, rows, *, budget: int, block: int, window: int | None = None, per_head: bool = False,
               w0=None, steps: int = 60, lr: float = 0.1, temps: tuple[float, float] = (0.5, 0.05)):
     """Fit one layer's weights [K] with optax (Adam on the relaxed error), then keep the best of {fitted, w0,
@@ -248,10 +252,9 @@ def fit_layer(k, v, rows, *, budget: int, block: int, window: int | None = None,
     opt = optax.adam(lr)
     state = opt.init(theta)
     kw = dict(budget=budget, block=block, window=window)
-    grad = jax.jit(jax.value_and_grad(functools.partial(_soft_loss, **kw)))
     for i in range(steps):
         temp = temps[0] * (temps[1] / temps[0]) ** (i / max(steps - 1, 1))
-        _, g = grad(theta, k, v, rows, jnp.float32(temp))
+        _, g = _loss_and_grad(theta, k, v, rows, jnp.float32(temp), **kw)
         updates, state = opt.update(g, state)
         theta = optax.apply_updates(theta, updates)
     fitted = np.broadcast_to(np.asarray(jax.nn.sigmoid(theta), np.float64), (kh,))
