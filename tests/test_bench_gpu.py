@@ -1,5 +1,6 @@
 """bench/gpu.py keeps working: it says plainly when no GPU is visible, and its CPU smoke mode fills the table."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -29,4 +30,7 @@ def test_cpu_smoke_run_fills_the_table(tmp_path):
     assert [r.split("|")[2].strip() for r in rows] == ["dense", "valuediff"]
     cells = rows[1].split("|")
     assert cells[3].strip() == "128" and float(cells[4]) > 0 and float(cells[5]) > 0  # N, TTFT, floor
-    assert (tmp_path / "gpu.json").is_file()
+    saved = json.loads((tmp_path / "gpu.json").read_text())["rows"][1]
+    assert saved["policy"] == "valuediff" and saved["slots"] == 128
+    assert saved["floor_s"] > 0 and saved["ttft_s"] > 0
+    assert float(cells[6]) == pytest.approx(saved["ttft_s"] / saved["floor_s"], abs=0.006)  # TTFT / floor
