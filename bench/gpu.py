@@ -48,8 +48,12 @@ def random_params(shape: dict, seed: int = 0):
                           cfg.vocab_size)
     key = iter(jax.random.split(jax.random.key(seed), 16 * cfg.num_layers + 4))
 
-    def w(*s, scale=0.02):
-        return jax.jit(lambda k: (jax.random.normal(k, s, jnp.float32) * scale).astype(jnp.bfloat16))(next(key))
+    # one jitted sampler for every weight: a program per distinct shape, shared by all layers
+    normal = jax.jit(lambda k, s: (jax.random.normal(k, s, jnp.float32) * 0.02).astype(jnp.bfloat16),
+                     static_argnums=1)
+
+    def w(*s):
+        return normal(next(key), s)
 
     def ones(n):
         return jnp.ones((n,), jnp.bfloat16)

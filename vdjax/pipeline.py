@@ -319,7 +319,8 @@ def plan(params, ids, policy, budget, block_size, extra_tokens=0, attention_mask
 # ---- multi-device ---------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class Placed:
-    """Inputs of one call placed on a mesh: params sharded, rows padded to a multiple of the "data" size."""
+    """Inputs of one call placed on a mesh (params sharded, rows padded to a multiple of the "data" size),
+    or as they are without one."""
 
     params: Params
     tokens: jax.Array  # [B_pad, T] on the batch sharding
@@ -327,6 +328,13 @@ class Placed:
     host_lengths: np.ndarray  # [B_pad] the same, on the host
     rows: int  # B, the real rows (the first B of B_pad)
     live: jax.Array | None  # [B_pad] bool, False on padding rows; None when nothing was padded
+    mesh: Any = None
+
+    @property
+    def jit_kw(self) -> dict:
+        """The jitted steps' sharding keywords: none without a mesh (an explicit mesh=None would be another
+        cache entry of the same program: bench.py warms `_prefill` without it)."""
+        return {} if self.mesh is None else {"mesh": self.mesh}
 
     def pad_rows(self, a: np.ndarray) -> np.ndarray:
         """Per-row numpy data [B, ...] padded to [B_pad, ...] with copies of row 0."""
@@ -334,16 +342,19 @@ class Placed:
         return a if not extra else np.concatenate([a, np.repeat(a[:1], extra, axis=0)])
 
     def real(self, tree):
-        """The real rows [B, ...] of every array of a per-row pytree (a cache, logits)."""
+        """The real rows [B, ...] of every array of a per-row pytree (a cache, logits, tokens)."""
         if self.live is None:
             return tree
         return jax.tree.map(lambda x: x[: self.rows], tree)
 
 
-def place(params: Params, tokens: np.ndarray, lengths: np.ndarray, mesh) -> Placed:
+def place(params: Params, tokens: np.ndarray, lengths: np.ndarray, mesh=None) -> Placed:
     """Shard params on `mesh`, pad the batch to a multiple of its "data" size and split tokens and lengths
     over "data". Dummy rows hold row 0's first token, length 1 (rows evict independently: they change nothing).
+    Without a mesh: the inputs as device arrays, nothing padded.
     """
+    if mesh is None:
+        return Placed(params, jnp.asarray(tokens), jnp.asarray(lengths), lengths, tokens.shape[0], None)
     check_mesh(mesh)
     b = tokens.shape[0]
     extra = -b % mesh.shape["data"]
@@ -354,7 +365,7 @@ def place(params: Params, tokens: np.ndarray, lengths: np.ndarray, mesh) -> Plac
     rows = batch_sharding(mesh)
     live = jax.device_put(np.arange(b + extra) < b, rows) if extra else None
     return Placed(shard_params(params, mesh), jax.device_put(tokens, rows), jax.device_put(lengths, rows),
-                  lengths, b, live)
+                  lengths, b, live, mesh)
 
 
 # ---- public API -----------------------------------------------------------------------------------------
@@ -375,13 +386,9 @@ def prefill(
     attention heads / MLP width over "model"; the cache comes back sharded the same way.
     """
     p = plan(params, ids, policy, budget, block_size, 0, attention_mask, **policy_kwargs)
-    if mesh is None:
-        return _prefill(params, jnp.asarray(p.tokens), jnp.asarray(p.lengths), policy=p.policy, hyper=p.hyper,
-                        slots=p.slots, block=p.block)
     x = place(params, p.tokens, p.lengths, mesh)
-    out = _prefill(x.params, x.tokens, x.lengths, policy=p.policy, hyper=p.hyper, slots=p.slots,
-                   block=p.block, mesh=mesh)
-    return x.real(out)
+    return x.real(_prefill(x.params, x.tokens, x.lengths, policy=p.policy, hyper=p.hyper, slots=p.slots,
+                           block=p.block, **x.jit_kw))
 
 
 @dataclasses.dataclass
@@ -442,42 +449,34 @@ def run(
     eos = jnp.asarray(np.atleast_1d(np.asarray(eos if eos is not None else [], np.int32)).reshape(-1), jnp.int32)
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else (int(eos[0]) if eos.size else 0)
     key = jax.random.key(0) if key is None else key
-    if mesh is None:
-        x, live, sharded = None, None, {}
-        tokens, lengths, row_lengths = jnp.asarray(p.tokens), jnp.asarray(p.lengths), p.lengths
-    else:
-        x = place(params, p.tokens, p.lengths, mesh)
-        params, tokens, lengths, row_lengths, live = x.params, x.tokens, x.lengths, x.host_lengths, x.live
-        sharded = {"mesh": mesh}
+    x = place(params, p.tokens, p.lengths, mesh)
+    params, lengths = x.params, x.lengths
     t0 = time.perf_counter()
-    cache, logits = _prefill(params, tokens, lengths, policy=p.policy, hyper=p.hyper, slots=p.slots,
-                             block=p.block, **sharded)
+    cache, logits = _prefill(params, x.tokens, lengths, policy=p.policy, hyper=p.hyper, slots=p.slots,
+                             block=p.block, **x.jit_kw)
     slots = p.slots
     if q_ids is not None:
-        if x is not None:
-            q_ids = x.pad_rows(q_ids)
+        q_ids = x.pad_rows(q_ids)
         q_len = q_ids.shape[1]
         q_tokens = np.zeros((q_ids.shape[0], extra_q), np.int32)
         q_tokens[:, :q_len] = q_ids
         steps_q = np.arange(extra_q)[None]
-        q_pos = np.where(steps_q < q_len, row_lengths[:, None] + steps_q, -1)
+        q_pos = np.where(steps_q < q_len, x.host_lengths[:, None] + steps_q, -1)
         if not p.policy.is_dense:
             cache, slots = _grow(cache, extra_q), slots + extra_q
         cache, logits = _extend(params, cache, jnp.asarray(q_tokens), jnp.asarray(q_pos, jnp.int32),
-                                policy=p.policy, hyper=p.hyper, **sharded)
+                                policy=p.policy, hyper=p.hyper, **x.jit_kw)
         lengths = lengths + q_len
     logits.block_until_ready()
     t1 = time.perf_counter()
-    if live is not None:
-        sharded["live"] = live
+    padded = {} if x.live is None else {"live": x.live}
     out, steps, cache = _decode(params, cache, logits, lengths, key, eos, jnp.int32(pad), jnp.int32(max_new),
                                 policy=p.policy, hyper=p.hyper, max_out=max_out, temperature=float(temperature),
-                                top_k=int(top_k), top_p=float(top_p), min_new=min_new, **sharded)
+                                top_k=int(top_k), top_p=float(top_p), min_new=min_new, **x.jit_kw, **padded)
     out = np.asarray(out)
     t2 = time.perf_counter()
     steps = int(steps)
-    if x is not None:
-        out, cache = out[: x.rows], x.real(cache)
+    out, cache = x.real((out, cache))
     return Generation(out[:, :steps], cache, t1 - t0, t2 - t1, steps - 1, p.policy.name, p.hyper, slots)
 
 
