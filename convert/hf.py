@@ -315,7 +315,9 @@ def load_hf_checkpoint(path: str | Path, dtype: Any = jnp.float32) -> Params:
     if not (path / "config.json").is_file():
         raise ValueError(f"checkpoint {path}: no config.json (expected an HF checkpoint folder)")
     hf_config = json.loads((path / "config.json").read_text())
-    cfg = from_hf_config(hf_config)  # refuses unsupported architectures and math it cannot reproduce
+    generation = path / "generation_config.json"
+    generation = json.loads(generation.read_text()) if generation.is_file() else None
+    cfg = from_hf_config(hf_config, generation)  # refuses unsupported architectures and math it cannot reproduce
     arch = resolve_architecture(hf_config)
     if arch not in TABLES:
         raise ValueError(

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from vdjax.checks import check_int
 from vdjax.eval.metrics import DATASET2METRIC
 from vdjax.eval.sample import Sample, read_jsonl
 
@@ -30,6 +31,7 @@ TASKS = (
 
 # Official pred.py: "chat models are better off without build prompts on these tasks".
 NO_CHAT_TEMPLATE = ("trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p")
+STOP_AT_NEWLINE = ("samsum",)  # pred.py: eos_token_id=[eos, id of "\n"], min_length=context_length + 1
 
 # Official config/dataset2maxlen.json: max_new_tokens per task.
 DATASET2MAXLEN: dict[str, int] = {
@@ -210,6 +212,11 @@ DATA_URL = "https://huggingface.co/datasets/THUDM/LongBench/resolve/main/data.zi
 REQUIRED_KEYS = ("input", "context", "answers", "_id")
 
 
+def task_metric(task: str) -> str:
+    """The metric of a task's samples (for `vdjax rescore` of lines that predate the `metric` field)."""
+    return DATASET2METRIC[task]
+
+
 def split_template(task: str) -> tuple[str, str]:
     """(template text before `{context}`, template text after it) of the task's official prompt."""
     template = DATASET2PROMPT[task]
@@ -243,9 +250,7 @@ def truncate_middle(tokenizer, context_part: str, question_part: str, length: in
       context end);
     - "head_tail": fallback when decoding is not prefix-consistent: context = kept head, question = kept tail.
     """
-    if isinstance(length, bool) or not isinstance(length, int) or length < 2:
-        raise ValueError(f"length (prompt tokens kept by middle truncation) must be an int >= 2, "
-                         f"got {length!r}")
+    check_int("length (prompt tokens kept by middle truncation)", length, 2)
     prompt = context_part + question_part
     enc = tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
@@ -313,12 +318,8 @@ def build(task: str, tokenizer, *, length: int, num_samples: int | None, seed: i
     """
     if task not in TASKS:
         raise ValueError(f"task must be one of the 21 LongBench tasks {TASKS}, got {task!r}")
-    if isinstance(length, bool) or not isinstance(length, int) or length < 2:
-        raise ValueError(f"length (prompt tokens kept by middle truncation) must be an int >= 2, "
-                         f"got {length!r}")
-    if num_samples is not None and (isinstance(num_samples, bool) or not isinstance(num_samples, int)
-                                    or num_samples < 1):
-        raise ValueError(f"num_samples must be a positive int or None (all), got {num_samples!r}")
+    check_int("length (prompt tokens kept by middle truncation)", length, 2)
+    check_int("num_samples", num_samples, optional=True)
     if tokenizer is None:
         raise ValueError("tokenizer must be a (fast) tokenizer: middle truncation counts tokens, got None")
     path = data_path(task, data_dir)
@@ -339,9 +340,11 @@ def build(task: str, tokenizer, *, length: int, num_samples: int | None, seed: i
             max_new_tokens=DATASET2MAXLEN[task],
             metric=DATASET2METRIC[task],
             chat_template=task not in NO_CHAT_TEMPLATE,
+            # pred.py stops samsum at a newline too (eos_token_id + "\n") and, with min_length = prompt + 1,
+            # never at the first token
+            stop=("\n",) if task in STOP_AT_NEWLINE else (),
+            min_new_tokens=1 if task in STOP_AT_NEWLINE else 0,
             extra={"all_classes": row.get("all_classes"), "length": row.get("length"),
-                   "language": row.get("language"), "_id": row["_id"], "seed": seed,
-                   # official pred.py stops samsum generation at a newline too (eos_token_id + "\n")
-                   "stop_at_newline": task == "samsum", **info},
+                   "language": row.get("language"), "_id": row["_id"], "seed": seed, **info},
         ))
     return samples

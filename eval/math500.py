@@ -22,9 +22,11 @@ import re
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from vdjax.checks import check_int
 from vdjax.eval.sample import Sample, read_jsonl
 
 TASKS = ("math500",)
+DEFAULT_LENGTH = 16384  # the dense max_new_tokens of most models in the paper's Table 10
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 QUESTION = "\n" + INSTRUCTION
 DATA_FILES = ("math500.jsonl", "test.jsonl")
@@ -124,6 +126,16 @@ def fraction_budgets(
     return out
 
 
+def task_metric(task: str) -> str:
+    """The metric of MATH-500's samples (for `vdjax rescore`)."""
+    return "math_equiv"
+
+
+def budget_rule(fractions: Sequence[float], dense_lengths: Sequence[float]) -> dict[float, int]:
+    """The runner's hook for budgets given as fractions: `fraction_budgets` (nearest power of two)."""
+    return fraction_budgets(dense_lengths, fractions)
+
+
 def data_path(data_dir) -> Path:
     """The MATH-500 jsonl in `data_dir` (math500.jsonl, else test.jsonl); FileNotFoundError naming both."""
     if data_dir is None:
@@ -155,11 +167,8 @@ def build(task: str, tokenizer=None, *, length: int, num_samples: int | None, se
     """
     if task not in TASKS:
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
-    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
-        raise ValueError(f"length (the dense max_new_tokens) must be a positive int, got {length!r}")
-    if num_samples is not None and (isinstance(num_samples, bool) or not isinstance(num_samples, int)
-                                    or num_samples < 1):
-        raise ValueError(f"num_samples must be a positive int or None (all), got {num_samples!r}")
+    check_int("length (the dense max_new_tokens)", length)
+    check_int("num_samples", num_samples, optional=True)
     path = data_path(data_dir)
     samples = []
     for row in _read_rows(path, num_samples):

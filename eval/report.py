@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import json
 import os
 from pathlib import Path
 from typing import Iterable
 
-from vdjax.eval.runner import read_predictions, record_key
+from vdjax.eval.records import read_predictions, record_key
 
 MISSING = "—"
 ALL_TASKS = "all"  # the `task` of a row averaging over tasks
@@ -58,7 +59,8 @@ class Row:
 
 @dataclasses.dataclass
 class Summary:
-    """What `summarize` wrote: the rows (overall, then per task), the policy columns and the output files."""
+    """What `summarize` wrote: the rows (overall, then per task), the policy columns, the settings each table
+    ran with, warnings about lines left out or mixed, and the output files."""
 
     rows: list[Row]
     task_rows: list[Row]
@@ -67,6 +69,8 @@ class Summary:
     md_path: Path
     csv_path: Path
     png_path: Path
+    settings: dict[tuple, dict] = dataclasses.field(default_factory=dict)  # (benchmark, protocol, length) ->
+    warnings: list[str] = dataclasses.field(default_factory=list)
 
 
 def retention(score: float | None, dense: float | None) -> float | None:
@@ -103,10 +107,16 @@ def _policy_order(names: Iterable[str]) -> list[str]:
     return [p for p in registered if p in names] + sorted(names - set(registered))
 
 
-def load_records(source: str | os.PathLike) -> tuple[list[dict], Path]:
+# settings a table's lines must share; they are named in its caption and differences are warned about
+SETTINGS = ("seed", "block_size", "sampling", "fingerprint")
+
+
+def load_records(source: str | os.PathLike, warnings: list[str] | None = None) -> tuple[list[dict], Path]:
     """(records, output folder) of a predictions.jsonl or of every predictions.jsonl under a folder.
 
-    Duplicate keys (benchmark, model, length, task, sample_id, policy, budget, protocol) keep the first.
+    Duplicate keys (benchmark, model, length, task, sample_id, policy, budget, protocol, draw) keep the first;
+    a duplicate that differs from it in seed, block size, sampling, fingerprint or hyper-parameters is
+    reported in `warnings` (a list to append to), not dropped silently.
     """
     source = Path(source)
     if source.is_file():
@@ -117,14 +127,55 @@ def load_records(source: str | os.PathLike) -> tuple[list[dict], Path]:
         raise ValueError(f"pred_file_or_dir={str(source)!r} is neither a predictions file nor a folder")
     if not files:
         raise ValueError(f"pred_file_or_dir={str(source)!r} holds no predictions.jsonl")
-    seen, records = set(), []
+    seen: dict[tuple, dict] = {}
+    records, dropped = [], {}
     for f in files:
         for r in read_predictions(f):
             key = (r.get("benchmark"), r.get("model"), r.get("length")) + record_key(r)
-            if key not in seen:
-                seen.add(key)
+            first = seen.get(key)
+            if first is None:
+                seen[key] = r
                 records.append(r)
+                continue
+            differ = tuple(k for k in SETTINGS + ("hyper",) if r.get(k) != first.get(k))
+            if differ:
+                dropped[f, differ] = dropped.get((f, differ), 0) + 1
+    if warnings is not None:
+        for (f, differ), n in sorted(dropped.items(), key=lambda x: str(x)):
+            warnings.append(f"{n} line(s) of {f} left out: their key is already taken by a line that differs "
+                            f"in {', '.join(differ)}")
     return records, folder
+
+
+def _settings(records: list[dict], warnings: list[str]) -> dict[tuple, dict]:
+    """(benchmark, protocol, length) -> the settings its lines ran with (SETTINGS and each policy's
+    hyper-parameters); a table mixing several values of one gets a warning."""
+    out: dict[tuple, dict] = {}
+    for r in records:
+        group = out.setdefault((r["benchmark"], r["protocol"], r["length"]), {"hyper": {}})
+        for k in SETTINGS:
+            group.setdefault(k, set()).add(json.dumps(r.get(k), sort_keys=True))
+        group["hyper"].setdefault(r["policy"], set()).add(json.dumps(r.get("hyper") or {}, sort_keys=True))
+    for g, group in out.items():
+        mixed = [k for k in SETTINGS if len(group[k]) > 1]
+        mixed += [f"{p} hyper-parameters" for p, h in group["hyper"].items() if len(h) > 1]
+        if mixed:
+            warnings.append(f"table {g[0]} / {g[1]} / L{g[2]} mixes lines of several {', '.join(mixed)}")
+    return out
+
+
+def caption(settings: dict) -> str:
+    """One line naming what a table ran with: seed, block size, decoding and every policy's hyper-parameters."""
+    def one(values):
+        return " | ".join(sorted(values))
+
+    parts = [f"seed {one(settings['seed'])}", f"block {one(settings['block_size'])}",
+             "decoding " + ("greedy" if settings["sampling"] == {"null"} else one(settings["sampling"]))]
+    for p, hyper in sorted(settings["hyper"].items()):
+        text = one(hyper)
+        if text != "{}":
+            parts.append(f"{p} {text}")
+    return "; ".join(parts)
 
 
 def _rows(records: list[dict]) -> tuple[list[Row], list[Row], list[str]]:
@@ -138,7 +189,12 @@ def _rows(records: list[dict]) -> tuple[list[Row], list[Row], list[str]]:
         if r["policy"] != "dense" and r.get("budget_fraction") is not None:
             fractions.setdefault(gm + (r["budget"],), set()).add(r["budget_fraction"])
         by_task = scores.setdefault(gm, {}).setdefault(cfg, {}).setdefault(r["task"], {})
-        by_task[r["sample_id"]] = float(r["score"])
+        by_task.setdefault(r["sample_id"], []).append(float(r["score"]))
+    for by_cfg in scores.values():  # a sample's score: the mean over its draws (flex@k; one draw when greedy)
+        for by_task in by_cfg.values():
+            for by_id in by_task.values():
+                for sid, draws in by_id.items():
+                    by_id[sid] = sum(draws) / len(draws)
     policies = _policy_order(p for by_cfg in scores.values() for p, _ in by_cfg)
     rows, task_rows = [], []
     for gm in sorted(scores, key=lambda k: (k[0], k[1], k[2], k[3])):
@@ -222,15 +278,17 @@ def _budget_text(row: Row) -> str:
     return str(row.budget) if row.fraction is None else f"{100 * row.fraction:g}% (N={row.budget})"
 
 
-def _markdown(rows: list[Row], task_rows: list[Row], policies: list[str]) -> str:
+def _markdown(rows: list[Row], task_rows: list[Row], policies: list[str], settings: dict[tuple, dict],
+              warnings: list[str]) -> str:
     """summary.md: per (benchmark, protocol, length) the overall table, then the per-task table."""
     cols = ["dense"] + policies
-    out = []
+    out = [f"> warning: {w}\n" for w in warnings]
     groups = sorted({(r.benchmark, r.protocol, r.length) for r in rows})
     for g in groups:
         out.append(f"## {g[0]} — protocol {g[1]}, length {g[2]}\n")
-        out.append("Mean score (0–100; mean over tasks of per-task means) and retention (% of dense). "
-                   "**Bold**: best evicting policy of the row.\n")
+        out.append(f"Settings: {caption(settings[g])}.\n")
+        out.append("Mean score (0–100; mean over tasks of per-task means; a sample's score is the mean over "
+                   "its draws) and retention (% of dense). **Bold**: best evicting policy of the row.\n")
         out.append("| model | budget | " + " | ".join(cols) + " |")
         out.append("|---|---:|" + "---:|" * len(cols))
         for r in (r for r in rows if (r.benchmark, r.protocol, r.length) == g):
@@ -279,13 +337,11 @@ def _write_csv(path: Path, rows: list[Row], policies: list[str]) -> None:
 
 def _plot(path: Path, rows: list[Row], policies: list[str]) -> None:
     """retention.png: retention (% of dense) vs budget, a line per policy, a panel per model and setting."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: a library call never switches the user's backend
 
     panels = sorted({(r.benchmark, r.protocol, r.length, r.model) for r in rows})
-    fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(5.5 * max(len(panels), 1), 4), squeeze=False)
+    fig = Figure(figsize=(5.5 * max(len(panels), 1), 4))
+    axes = fig.subplots(1, max(len(panels), 1), squeeze=False)
     for ax, panel in zip(axes[0], panels):
         mine = [r for r in rows
                 if (r.benchmark, r.protocol, r.length, r.model) == panel and r.budget is not None]
@@ -313,19 +369,20 @@ def _plot(path: Path, rows: list[Row], policies: list[str]) -> None:
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def summarize(pred_file_or_dir: str | os.PathLike) -> Summary:
     """Write summary.md, summary.csv and retention.png beside the predictions (file) or in the folder."""
-    records, folder = load_records(pred_file_or_dir)
+    warnings: list[str] = []
+    records, folder = load_records(pred_file_or_dir, warnings)
+    settings = _settings(records, warnings)
     rows, task_rows, policies = _rows(records)
-    markdown = _markdown(rows, task_rows, policies)
+    markdown = _markdown(rows, task_rows, policies, settings, warnings)
     md_path, csv_path, png_path = folder / "summary.md", folder / "summary.csv", folder / "retention.png"
     md_path.write_text(markdown)
     _write_csv(csv_path, rows + task_rows, policies)
     _plot(png_path, rows, policies)
-    return Summary(rows, task_rows, policies, markdown, md_path, csv_path, png_path)
+    return Summary(rows, task_rows, policies, markdown, md_path, csv_path, png_path, settings, warnings)
 
 
 def rich_tables(summary: Summary) -> list:
@@ -335,7 +392,8 @@ def rich_tables(summary: Summary) -> list:
     cols = ["dense"] + summary.policies
     tables = []
     for g in sorted({(r.benchmark, r.protocol, r.length) for r in summary.rows}):
-        t = Table(title=f"{g[0]} — protocol {g[1]}, length {g[2]}: score (retention % of dense)")
+        t = Table(title=f"{g[0]} — protocol {g[1]}, length {g[2]}: score (retention % of dense)",
+                  caption=caption(summary.settings[g]))
         t.add_column("model")
         t.add_column("budget", justify="right")
         for c in cols:

@@ -20,7 +20,12 @@ Deviations from the official scripts (each also noted where it happens):
 - one `random.Random` per sample, seeded from (task, seed), replaces RULER's global `random` and
   `np.random`: the same procedure and distributions, not bit-identical to files made by RULER;
 - the haystack size is searched per sample (RULER: once per task, then shrunk by fixed steps when a sample
-  overflows), so every sample gets as close to `length` as its granularity allows;
+  overflows), so every sample gets as close to `length` as its granularity allows. qa keeps RULER's
+  placement: its documents are shuffled with a fresh `Random(seed)` (gold document first before the
+  shuffle), so the gold document's slot depends on the document count N alone, and with RULER's seed 42 (the
+  default here, as in RULER's prepare.py; seed 0 puts it at 4-22 %) SQuAD's gold document sits at 86-94 %
+  depth for every N from 16 to 32 (4k tokens), 75-88 % for N 12-17 (2k), as in the official files;
+  `extra["depths"]` (by documents) and `extra["depths_chars"]` (by characters) record it per sample;
 - draws that RULER makes after the haystack (queried keys) are made before it, so a sample's needles do not
   change while its size is searched;
 - the essay is split into sentences by a regex (RULER: nltk's punkt `sent_tokenize`, a separate download);
@@ -45,6 +50,7 @@ import string
 import uuid
 from typing import Callable
 
+from vdjax.checks import check_int
 from vdjax.eval.sample import Sample, token_counter
 
 TASKS = (
@@ -493,11 +499,14 @@ def _qa_task(task: str, seed: int, length: int, rng: random.Random, index: int):
         ctx, question, prefix = _fill("qa", _TEMPLATE["qa"] + _PREFIX["qa"], context, query=qa["query"])
         where = [i + 1 for i, d in enumerate(chosen) if d in gold]
         supporting = [i + 1 for i, d in enumerate(chosen) if d in support]
+        starts = [context.index(_DOCUMENT.format(i=i, document="")) for i in supporting]
         extra = dict(question_index=index, gold_documents=where, supporting_documents=supporting,
-                     depths=[round(100 * (i - 1) / n) for i in supporting])
+                     depths=[round(100 * (i - 1) / n) for i in supporting],
+                     depths_chars=[round(100 * c / len(context), 1) for c in starts])
         return ctx, question, prefix, qa["outputs"], extra
 
     return make, len(support), None, "documents"
+
 
 
 # ---------------------------------------------------------------------------------------------- search
@@ -571,27 +580,29 @@ def _fit(make: Callable[[int], Sample], count: Callable[[Sample], int], length: 
 # ---------------------------------------------------------------------------------------------- build
 
 
-def _check_int(name: str, value, minimum: int) -> None:
-    """ValueError unless `value` is an int (not a bool) >= minimum."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+def task_metric(task: str) -> str:
+    """The metric of a task's samples (for `vdjax rescore` of lines that predate the `metric` field)."""
+    return _METRIC[_family(task)]
 
 
-def build(task: str, tokenizer, *, length: int, num_samples: int, seed: int = 0,
+DEFAULT_LENGTH = 4096  # RULER's shortest standard sequence length (scripts/config_tasks.sh SEQ_LENGTHS)
+SEED = 42  # RULER's --random_seed default (scripts/data/prepare.py, scripts/data/synthetic/*.py)
+
+
+def build(task: str, tokenizer, *, length: int, num_samples: int, seed: int = SEED,
           count: Callable[[Sample], int] | None = None) -> list[Sample]:
     """`num_samples` RULER samples of `task`, each as long as fits `count(sample) <= length`.
 
     `count` defaults to `token_counter(tokenizer)`; sample i is the same whatever `num_samples` (its draws
-    come from (task, seed, i)). `extra` holds length, haystack (size) and haystack_unit, input_tokens,
-    tokens_with_one_more, needle/gold depths in percent, and per-task facts (queried keys, qa question
-    index and documents).
+    come from (task, seed, i)). `seed` defaults to RULER's 42 (it fixes qa's document order, see the module
+    docstring). `extra` holds length, haystack (size) and haystack_unit, input_tokens, tokens_with_one_more,
+    needle/gold depths in percent, and per-task facts (queried keys, qa question index and documents).
     """
     if task not in TASKS:
         raise ValueError(f"task must be one of {', '.join(TASKS)}; got {task!r}")
-    _check_int("length", length, 1)
-    _check_int("num_samples", num_samples, 1)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"seed must be an int, got {seed!r}")
+    check_int("length", length)
+    check_int("num_samples", num_samples)
+    check_int("seed", seed, minimum=0)
     if count is None:
         if tokenizer is None:
             raise ValueError("tokenizer is None and count is None: one of them is needed to measure length")

@@ -4,18 +4,26 @@
                     budgets=[256, 512], length=4096, num_samples=20, out_dir="results")
     # results/ruler/smollm2-135m/paper/L4096/predictions.jsonl (+ run.json beside it)
 
-Each line is one (sample, policy, budget): written, flushed and fsynced as soon as it is scored, so a crash
-loses at most the result being written. A rerun into the same folder reads the file, drops a torn last line
-and skips every (task, sample_id, policy, budget, protocol) it already holds. Dense runs once per sample with
-`budget` null. Decoding is greedy and stops at the model's EOS, and for a sample with
-`extra["stop_at_newline"]` (LongBench samsum) also at the newline token (`newline_ids`), and, as pred.py's
-`min_length = prompt + 1`, the first new token can be neither EOS nor the newline (`min_new_tokens=1`).
+Each line is one (sample, policy, budget, draw): written, flushed and fsynced as soon as it is scored, by the
+file's only writer (`records.PredictionsFile` holds a lock), so a crash loses at most the result being
+written. A rerun into the same folder drops a torn last line and skips every line it already holds; lines
+made with another checkpoint, tokenizer or chat template (their `fingerprint`), seed, block size, sampling
+or policy hyper-parameters are refused (`allow_mixed=True` accepts other fingerprints). Dense runs once per
+sample with `budget` null.
 
-Budgets are either all integers >= 1 (cache slots per KV head) or all fractions in (0, 1) of the average dense
-generation length (MATH-500, Appendix F): then every dense run finishes first, the integer budgets follow from
-the recorded dense `new_tokens` with `vdjax.eval.math500.fraction_budgets` (mean over every sample of the run,
-rounded to the nearest power of two), and each evicting record keeps `budget` (that integer) and
-`budget_fraction`.
+The runner knows no benchmark by name. A benchmark module defines `TASKS` and
+`build(task, tokenizer, *, length, num_samples, seed[, data_dir]) -> [Sample]`, optionally `SEED` (its
+default seed), and, to accept budgets given as fractions, `budget_rule(fractions, dense_lengths) ->
+{fraction: budget}`. Its samples carry their own stop rule: `Sample.stop` (strings whose token also ends the
+generation, e.g. LongBench samsum's "\\n") and `Sample.min_new_tokens` (EOS and stops masked before).
+
+Fractional budgets: every dense generation finishes first; the benchmark's `budget_rule` turns the fractions
+and the recorded dense `new_tokens` into integer budgets, which are frozen in run.json the first time (a
+resumed or extended run reuses them); each evicting line keeps `budget` and `budget_fraction`.
+
+Sampling (`sampling={"temperature": ..., "top_p": ..., "top_k": ...}`, default greedy) with `draws=k` makes
+k lines per (sample, config), `draw` 0..k-1, each from its own key (seed, sample id, draw): a row's draws do
+not depend on what shares its batch, so a resumed run redraws exactly what was missing.
 
 Protocols (see `vdjax.eval.sample`): `paper` block-prefills context + question; `question_agnostic`
 block-prefills the context only and appends the question afterwards (`vdjax.run(..., question=...)`).
@@ -23,31 +31,35 @@ block-prefills the context only and appends the question afterwards (`vdjax.run(
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import importlib
 import inspect
 import json
 import os
-import platform
-import subprocess
 import warnings
+import zlib
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
+from vdjax.checks import check_int, check_name, unique_list
+from vdjax.eval.provenance import environment, fingerprint, git_commit, model_summary
+from vdjax.eval.records import METRIC_EXTRA, PredictionsFile, read_predictions, record_key
 from vdjax.eval.sample import PROTOCOLS, Sample, render_ids
 
 BENCHMARKS = ("ruler", "longbench", "math500")
-KEY_FIELDS = ("task", "sample_id", "policy", "budget", "protocol")
 # a resumed run must agree with the file on these (other fields may change between runs: tasks, budgets, ...)
-RUN_FIELDS = ("benchmark", "model", "length", "seed", "protocol", "block_size")
+RUN_FIELDS = ("benchmark", "model", "length", "seed", "protocol", "block_size", "sampling")
 # prefill_s / decode_s: wall time of the whole batch's call (`batch` rows), jit compilation taken out
 # (compile_s); prefill_s is the time to the first token.
 RECORD_FIELDS = (
-    "benchmark", "task", "sample_id", "model", "length", "seed", "protocol", "policy", "budget",
-    "budget_fraction", "block_size", "hyper", "prediction", "answers", "score", "input_tokens", "new_tokens",
-    "prefill_s", "decode_s", "compile_s", "batch",
+    "benchmark", "task", "sample_id", "draw", "model", "length", "seed", "protocol", "sampling", "policy",
+    "budget", "budget_fraction", "block_size", "hyper", "prediction", "answers", "score", "metric",
+    "input_tokens", "new_tokens", "truncated", "prefill_s", "decode_s", "compile_s", "batch", "vdjax_commit",
+    "fingerprint",
 )
+SAMPLING_KEYS = ("temperature", "top_k", "top_p")
 
 
 # ---- benchmarks and paths ---------------------------------------------------------------------------------
@@ -69,176 +81,71 @@ def load_benchmark(benchmark: str | ModuleType) -> tuple[str, ModuleType]:
     return name, module
 
 
-def _check_name(argument: str, value: Any) -> str:
-    """A non-empty string usable as one folder name, or a ValueError naming the argument."""
-    if not isinstance(value, str) or not value or value in (".", "..") or "/" in value or os.sep in value:
-        raise ValueError(f"{argument} must be a non-empty name without path separators, got {value!r}")
-    return value
-
-
 def run_dir(out_dir: str | os.PathLike, benchmark: str, model_name: str, protocol: str, length: int) -> Path:
     """The folder of one run: out_dir/<benchmark>/<model_name>/<protocol>/L<length>."""
     return Path(out_dir) / benchmark / model_name / protocol / f"L{length}"
 
 
-def record_key(record: Mapping[str, Any]) -> tuple:
-    """The resume key of a prediction line: (task, sample_id, policy, budget, protocol)."""
-    return tuple(record[f] for f in KEY_FIELDS)
+# ---- the run's settings -----------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One column of a run: a policy with its hyper-parameters at a budget (None for dense)."""
+
+    policy: Any
+    hyper: tuple
+    budget: int | None = None
+    fraction: float | None = None
 
 
-# ---- the predictions file ---------------------------------------------------------------------------------
-def _parse_line(raw: bytes) -> dict | None:
-    """The JSON object of one line holding every key field, or None."""
-    try:
-        record = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    if not isinstance(record, dict) or any(f not in record for f in KEY_FIELDS):
-        return None
-    return record
+@dataclasses.dataclass
+class Spec:
+    """The checked arguments of one `evaluate` call."""
+
+    name: str
+    module: ModuleType
+    model_name: str
+    length: int
+    num_samples: int
+    seed: int
+    protocol: str
+    block_size: int
+    batch_size: int
+    tasks: list[str]
+    policies: list[tuple[Any, tuple]]  # (Policy, hyper), hyper bound to the model
+    budgets: list  # ints (cache slots) or fractions
+    data_dir: Path | None
+    metrics: Mapping[str, Callable]
+    template_kwargs: dict
+    sampling: dict | None  # None: greedy
+    draws: int
+    mesh: Any = None
+
+    @property
+    def identity(self) -> dict:
+        """What every line of the run's file shares (RUN_FIELDS)."""
+        return {"benchmark": self.name, "model": self.model_name, "length": self.length, "seed": self.seed,
+                "protocol": self.protocol, "block_size": self.block_size, "sampling": self.sampling}
+
+    @property
+    def fractional(self) -> bool:
+        """Budgets given as fractions of the mean dense generation length."""
+        return bool(self.budgets) and isinstance(self.budgets[0], float)
+
+    def dense_configs(self) -> list[Config]:
+        return [Config(p, h) for p, h in self.policies if p.is_dense]
+
+    def evicting_configs(self, budgets: Mapping[int, float | None]) -> list[Config]:
+        """Every evicting policy at every {budget: fraction or None}."""
+        return [Config(p, h, b, f) for p, h in self.policies if not p.is_dense for b, f in budgets.items()]
 
 
-def read_predictions(path: str | os.PathLike, *, repair: bool = False) -> list[dict]:
-    """Every record of a predictions.jsonl (a torn last line, from a crash mid-write, is skipped).
-
-    With `repair=True` the file itself is fixed: a torn last line is cut off, a complete last line missing
-    its newline gets one. A bad line anywhere else is corruption: ValueError naming the file and line.
-    """
-    path = Path(path)
-    if not path.exists():
-        return []
-    data = path.read_bytes()
-    lines = data.split(b"\n")
-    tail = lines.pop()  # b"" when the file ends with a newline
-    records = []
-    for number, raw in enumerate(lines, 1):
-        if not raw.strip():
-            continue
-        record = _parse_line(raw)
-        if record is None:
-            if number == len(lines) and not tail:  # last line, newline written but content cut: torn
-                if repair:
-                    _truncate(path, len(data) - len(raw) - 1)
-                continue
-            raise ValueError(f"{path}: line {number} is not a prediction record: {raw[:80]!r}")
-        records.append(record)
-    if tail.strip():
-        record = _parse_line(tail)
-        if record is not None:
-            records.append(record)
-            if repair:
-                with open(path, "ab") as f:
-                    f.write(b"\n")
-                    f.flush()
-                    os.fsync(f.fileno())
-        elif repair:
-            _truncate(path, len(data) - len(tail))
-    return records
-
-
-def _truncate(path: Path, size: int) -> None:
-    """Cut the file to `size` bytes, durably."""
-    with open(path, "r+b") as f:
-        f.truncate(size)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-class _Appender:
-    """Appends JSON lines, each flushed and fsynced before the call returns."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.file = open(path, "a", encoding="utf-8")
-
-    def write(self, record: dict) -> None:
-        self.file.write(json.dumps(record, ensure_ascii=False) + "\n")
-        self.file.flush()
-        os.fsync(self.file.fileno())
-
-    def close(self) -> None:
-        self.file.close()
-
-
-# ---- run metadata -----------------------------------------------------------------------------------------
-def git_commit() -> str | None:
-    """The vdjax source tree's git commit (suffixed `-dirty` with uncommitted changes), or None."""
-    root = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              timeout=10)
-        if head.returncode != 0:
-            return None
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return head.stdout.strip() + ("-dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
-
-
-def _environment() -> dict:
-    """jax version, backend and devices, vdjax commit, host."""
-    import jax
-
-    return {
-        "vdjax_commit": git_commit(),
-        "jax_version": jax.__version__,
-        "jax_backend": jax.default_backend(),
-        "jax_devices": [str(d) for d in jax.devices()],
-        "python": platform.python_version(),
-        "host": platform.node(),
-    }
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    """Write JSON atomically (temporary file, then rename)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
-
-
-# ---- argument checking ------------------------------------------------------------------------------------
-def _check_int(argument: str, value: Any, minimum: int = 1) -> int:
-    """value as an int >= minimum, or a ValueError naming the argument."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{argument} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
-def _names(argument: str, values: Any) -> list:
-    """A non-empty list from a comma-separated string or a sequence, duplicates dropped (order kept)."""
-    if isinstance(values, str):
-        values = [v.strip() for v in values.split(",") if v.strip()]
-    if not isinstance(values, Iterable):
-        raise TypeError(f"{argument} must be a list, got {type(values).__name__}: {values!r}")
-    out = []
-    for v in values:
-        if v not in out:
-            out.append(v)
-    if not out:
-        raise ValueError(f"{argument} must name at least one entry, got {values!r}")
-    return out
-
-
-def _check_tasks(module: ModuleType, name: str, tasks: Any) -> list[str]:
-    """The requested tasks (all of the benchmark's when None), each one of module.TASKS."""
-    allowed = list(module.TASKS)
-    if tasks is None:
-        return allowed
-    tasks = _names("tasks", tasks)
-    unknown = [t for t in tasks if t not in allowed]
-    if unknown:
-        raise ValueError(f"tasks={unknown} not in benchmark {name!r}; allowed: {allowed}")
-    return tasks
-
-
-def _check_policies(policies: Any, budgets: Any, policy_kwargs: Mapping | None):
-    """[(Policy, hyper)] and the budgets; ValueError/TypeError naming the bad argument."""
+def _check_policies(policies: Any, budgets: Any, policy_kwargs: Mapping | None, module: ModuleType, name: str):
+    """[(Policy, hyper)] and the sorted budgets; ValueError/TypeError naming the bad argument."""
     from vdjax.policies import get_policy
 
     policy_kwargs = dict(policy_kwargs or {})
     pols = []
-    for p in _names("policies", policies):
+    for p in unique_list("policies", policies):
         pol = get_policy(p)
         kwargs = policy_kwargs.get(pol.name, {})
         if not isinstance(kwargs, Mapping):
@@ -250,22 +157,22 @@ def _check_policies(policies: Any, budgets: Any, policy_kwargs: Mapping | None):
     extra = sorted(k for k in policy_kwargs if k not in names)
     if extra:
         raise ValueError(f"policy_kwargs names {extra}, which are not in policies {names}")
-    evicting = [pol for pol, _ in pols if not pol.is_dense]
+    evicting = [pol.name for pol, _ in pols if not pol.is_dense]
     if budgets is None or (isinstance(budgets, (list, tuple)) and not budgets):
         if evicting:
             raise ValueError(f"budgets must list one or more cache budgets for the evicting policies "
-                             f"{[p.name for p in evicting]}, got {budgets!r}")
+                             f"{evicting}, got {budgets!r}")
         return pols, []
     if isinstance(budgets, str):
         raise TypeError(f"budgets must be a list of integers or of fractions, got the string {budgets!r}")
-    budgets = _names("budgets", budgets)
+    budgets = unique_list("budgets", budgets)
     for b in budgets:
         if isinstance(b, float):
             if not 0 < b < 1:
                 raise ValueError(f"budgets entry {b!r} is not a fraction in (0, 1) (of the average dense "
                                  "generation length); integer budgets (cache slots) must be ints >= 1")
         else:
-            _check_int("budgets entry", b)
+            check_int("budgets entry", b)
     fractions = [b for b in budgets if isinstance(b, float)]
     if fractions and len(fractions) != len(budgets):
         raise ValueError(f"budgets={budgets} mixes integers (cache slots) and fractions (of the average "
@@ -273,307 +180,366 @@ def _check_policies(policies: Any, budgets: Any, policy_kwargs: Mapping | None):
     if fractions and not any(pol.is_dense for pol, _ in pols):
         raise ValueError(f"budgets={budgets} are fractions of the average dense generation length, so "
                          f"policies must include 'dense'; got policies {names}")
+    if fractions and not callable(getattr(module, "budget_rule", None)):
+        raise ValueError(f"budgets={budgets} are fractions, but benchmark {name!r} defines no budget_rule "
+                         "(fractions -> cache budgets); give integer budgets")
     return pols, sorted(budgets)
 
 
-def _build_samples(module: ModuleType, name: str, tokenizer, tasks: Sequence[str], *, length: int,
-                   num_samples: int, seed: int, data_dir) -> dict[str, list[Sample]]:
-    """{task: samples} from the benchmark's build, sample ids checked unique per task."""
-    params = inspect.signature(module.build).parameters
-    takes_data_dir = "data_dir" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-    if data_dir is not None and not takes_data_dir:
-        raise ValueError(f"data_dir={str(data_dir)!r} given, but benchmark {name!r} reads no data folder")
-    if data_dir is None and "data_dir" in params and params["data_dir"].default is inspect.Parameter.empty:
-        raise ValueError(f"data_dir=None, but benchmark {name!r} needs its data folder (data_dir=...)")
-    extra = {"data_dir": data_dir} if data_dir is not None else {}
-    out = {}
-    for task in tasks:
-        samples = list(module.build(task, tokenizer, length=length, num_samples=num_samples, seed=seed,
-                                    **extra))
-        ids = [s.id for s in samples]
-        if len(set(ids)) != len(ids):
-            dup = sorted({i for i in ids if ids.count(i) > 1})
-            raise ValueError(f"benchmark {name!r} task {task!r} built duplicate sample ids {dup[:5]}")
-        for s in samples:
-            if not isinstance(s, Sample):
-                raise TypeError(f"benchmark {name!r} build must return Samples, got {type(s).__name__}")
-        out[task] = samples
-    return out
+def _check_sampling(sampling: Mapping | None, draws: Any) -> tuple[dict | None, int]:
+    """(sampling settings with every key, None for greedy; draws), checked."""
+    from vdjax.sampling import check_sampling
+
+    draws = check_int("draws", draws)
+    if sampling is not None:
+        unknown = sorted(set(sampling) - set(SAMPLING_KEYS))
+        if unknown:
+            raise ValueError(f"sampling keys {unknown} unknown; allowed: {list(SAMPLING_KEYS)}")
+        sampling = {"temperature": float(sampling.get("temperature") or 0.0),
+                    "top_k": int(sampling.get("top_k") or 0), "top_p": float(sampling.get("top_p") or 1.0)}
+        check_sampling(sampling["temperature"], sampling["top_k"], sampling["top_p"], key=True)
+        if sampling["temperature"] == 0:  # greedy whatever top_k / top_p say
+            sampling = None
+    if sampling is None and draws > 1:
+        raise ValueError(f"draws={draws} with greedy decoding repeats one generation; give sampling="
+                         "{'temperature': t > 0, ...} or draws=1")
+    return sampling, draws
 
 
-def _stops_at_newline(sample: Sample) -> bool:
-    """True when the sample's generation also stops at a newline (`extra["stop_at_newline"]`)."""
-    return bool(sample.extra.get("stop_at_newline"))
-
-
-def _groups(samples: list[Sample], rendered: dict, protocol: str, batch_size: int) -> list[list[Sample]]:
-    """Batches of at most batch_size samples that stop alike (newline or not) and, under question_agnostic,
-    have one question length; order kept within each kind."""
-    buckets: dict[tuple, list[Sample]] = {}
-    for s in samples:
-        q_len = 0 if protocol == "paper" else len(rendered[s.id][1])
-        buckets.setdefault((_stops_at_newline(s), q_len), []).append(s)
-    return [group[i:i + batch_size] for group in buckets.values() for i in range(0, len(group), batch_size)]
-
-
-# ---- the run ----------------------------------------------------------------------------------------------
-def newline_ids(tokenizer) -> tuple[int, ...]:
-    """The newline stop id(s): the ids of `tokenizer("\\n")` that decode alone to exactly "\\n".
-
-    LongBench's pred.py stops samsum at `tokenizer.encode("\\n", add_special_tokens=False)[-1]`; keeping only
-    the ids that decode to "\\n" gives that same id while dropping a SentencePiece word-start piece ("▁")
-    that some tokenizers put before it. Tokens that merely contain a newline ("\\n\\n", ".\\n") do not
-    stop, as in pred.py (the scorer's first-line cut handles them).
-    """
-    ids = [int(i) for i in tokenizer("\n", add_special_tokens=False)["input_ids"]]
-    found = tuple(dict.fromkeys(i for i in ids if tokenizer.decode([i]) == "\n"))
-    if not found:
-        raise ValueError(f"tokenizer {type(tokenizer).__name__} encodes '\\n' as {ids}, none of which "
-                         "decodes to '\\n': samples with extra['stop_at_newline'] cannot stop at a newline")
-    return found
-
-
-def _truncate_new(tokens, limit: int, eos: set[int]) -> list[int]:
-    """A row's new tokens, at most `limit`, ending at (and including) the first EOS."""
-    row = [int(t) for t in tokens[:limit]]
-    for i, t in enumerate(row):
-        if t in eos:
-            return row[: i + 1]
-    return row
-
-
-def _fraction_budgets(fractions: Sequence[float], dense_lengths: Sequence[int]) -> dict[int, float]:
-    """{integer budget: fraction} from the dense generation lengths (`math500.fraction_budgets`, pow2).
-
-    Fractions that round to one budget run it once, recorded under the smallest of them (with a warning).
-    """
-    from vdjax.eval.math500 import fraction_budgets
-
-    out: dict[int, float] = {}
-    for f, b in sorted(fraction_budgets(dense_lengths, fractions).items()):
-        if b in out:
-            warnings.warn(f"budgets {out[b]} and {f} both give budget {b} (mean dense generation length "
-                          f"{sum(dense_lengths) / len(dense_lengths):.1f} tokens); it runs once, recorded "
-                          f"as {out[b]}", stacklevel=3)
-            continue
-        out[b] = f
-    return out
-
-
-def evaluate(
-    params,
-    tokenizer,
-    benchmark: str | ModuleType,
-    *,
-    model_name: str,
-    policies: Sequence[str],
-    budgets: Sequence[int] | Sequence[float] | None,
-    length: int,
-    num_samples: int,
-    out_dir: str | os.PathLike,
-    tasks: Sequence[str] | None = None,
-    seed: int = 0,
-    protocol: str = "paper",
-    block_size: int = 128,
-    batch_size: int = 1,
-    data_dir: str | os.PathLike | None = None,
-    policy_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
-    metrics: Mapping[str, Callable] | None = None,
-    progress: bool = True,
-    mesh=None,
-) -> Path:
-    """Run every (sample, policy, budget) not yet in the run's predictions.jsonl; return that file's path.
-
-    `benchmark`: a name of BENCHMARKS or a module with TASKS and build(task, tokenizer, *, length,
-    num_samples, seed[, data_dir]). `policies`: names (dense runs once per sample, budget null); `budgets`:
-    cache slots per KV head for the evicting ones (ints >= 1), or fractions in (0, 1) of the average dense
-    generation length (dense must be among `policies`; it all runs first, see the module docstring).
-    `policy_kwargs`: {policy name: {keyword: value}}. `batch_size` > 1 runs up to that many samples of one
-    task in one ragged `vdjax.run` call (only samples that stop alike at newlines, and under
-    question_agnostic of equal question length, share a call). `metrics` overrides
-    `vdjax.eval.metrics.METRICS` ({name: fn(prediction, answers, sample) -> [0, 1]}). `mesh` (a jax Mesh with
-    axes "data" and "model", `vdjax.sharding.make_mesh`): params are sharded on it once and each call's
-    `batch_size` samples are split over "data" (best a multiple of its size; heads / MLP width over "model").
-    """
-    from vdjax.cli import timed_run
-
+def check_run(params, benchmark, *, model_name, policies, budgets, length, num_samples, tasks=None, seed=None,
+              protocol="paper", block_size=128, batch_size=1, data_dir=None, policy_kwargs=None, metrics=None,
+              template_kwargs=None, sampling=None, draws=1, mesh=None) -> Spec:
+    """Validate every argument of `evaluate` (each error names the argument) and bind policies to the model."""
     name, module = load_benchmark(benchmark)
-    model_name = _check_name("model_name", model_name)
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol={protocol!r} is unknown; allowed: {list(PROTOCOLS)}")
-    length = _check_int("length", length)
-    num_samples = _check_int("num_samples", num_samples)
-    block_size = _check_int("block_size", block_size)
-    batch_size = _check_int("batch_size", batch_size)
-    seed = _check_int("seed", seed, minimum=0)
-    tasks = _check_tasks(module, name, tasks)
-    pols, budgets = _check_policies(policies, budgets, policy_kwargs)
+    seed = getattr(module, "SEED", 0) if seed is None else check_int("seed", seed, minimum=0)
+    allowed = list(module.TASKS)
+    tasks = allowed if tasks is None else unique_list("tasks", tasks)
+    unknown = [t for t in tasks if t not in allowed]
+    if unknown:
+        raise ValueError(f"tasks={unknown} not in benchmark {name!r}; allowed: {allowed}")
+    pols, budgets = _check_policies(policies, budgets, policy_kwargs, module, name)
     pols = [(pol, pol.bind_hyper(params, hyper)) for pol, hyper in pols]  # e.g. hybrid's saved weights
     if data_dir is not None and not Path(data_dir).is_dir():
         raise ValueError(f"data_dir={str(data_dir)!r} is not a folder")
     if metrics is None:
         from vdjax.eval.metrics import METRICS as metrics
+    if template_kwargs is not None and not isinstance(template_kwargs, Mapping):
+        raise TypeError(f"template_kwargs must be a dict of chat-template switches, got {template_kwargs!r}")
+    sampling, draws = _check_sampling(sampling, draws)
+    return Spec(name, module, check_name("model_name", model_name), check_int("length", length),
+                check_int("num_samples", num_samples), seed, protocol, check_int("block_size", block_size),
+                check_int("batch_size", batch_size), tasks, pols, budgets,
+                None if data_dir is None else Path(data_dir), metrics, dict(template_kwargs or {}), sampling,
+                draws, mesh)
+
+
+# ---- resuming ---------------------------------------------------------------------------------------------
+def check_resume(spec: Spec, path: Path, records: list[dict], print_id: str, allow_mixed: bool) -> set:
+    """The keys of the lines already done; ValueError when the file holds another run's lines."""
+    identity = spec.identity
+    for record in records:
+        for field in RUN_FIELDS:
+            if record.get(field) != identity[field]:
+                raise ValueError(
+                    f"{path} holds results with {field}={record.get(field)!r}; this run has "
+                    f"{field}={identity[field]!r}: use another out_dir (or the same {field})")
+        if record.get("fingerprint") != print_id and not allow_mixed:
+            raise ValueError(
+                f"{path} holds results of fingerprint {record.get('fingerprint')!r} (checkpoint, dtype, tokenizer "
+                f"and chat template); this run's is {print_id!r}: use another out_dir, or allow_mixed=True "
+                "(CLI --allow-mixed) to add to it anyway")
+    for pol, hyper in spec.policies:
+        want = json.loads(json.dumps(dict(hyper)))
+        for record in records:
+            if record["policy"] == pol.name and record.get("hyper") != want:
+                raise ValueError(
+                    f"{path} holds {pol.name!r} results with hyper-parameters {record.get('hyper')}; "
+                    f"this run asks for {want}: use another out_dir")
+    return {record_key(r) for r in records}
+
+
+# ---- samples ----------------------------------------------------------------------------------------------
+def build_samples(spec: Spec, tokenizer) -> dict[str, list[Sample]]:
+    """{task: samples} from the benchmark's build; sample ids unique per task, metrics known."""
+    params = inspect.signature(spec.module.build).parameters
+    takes_data_dir = "data_dir" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    if spec.data_dir is not None and not takes_data_dir:
+        raise ValueError(f"data_dir={str(spec.data_dir)!r} given, but benchmark {spec.name!r} reads no data "
+                         "folder")
+    if spec.data_dir is None and "data_dir" in params and params["data_dir"].default is inspect.Parameter.empty:
+        raise ValueError(f"data_dir=None, but benchmark {spec.name!r} needs its data folder (data_dir=...)")
+    extra = {"data_dir": spec.data_dir} if spec.data_dir is not None else {}
+    if "template_kwargs" in params:
+        extra["template_kwargs"] = spec.template_kwargs
+    out = {}
+    for task in spec.tasks:
+        samples = list(spec.module.build(task, tokenizer, length=spec.length, num_samples=spec.num_samples,
+                                         seed=spec.seed, **extra))
+        ids = [s.id for s in samples]
+        if len(set(ids)) != len(ids):
+            dup = sorted({i for i in ids if ids.count(i) > 1})
+            raise ValueError(f"benchmark {spec.name!r} task {task!r} built duplicate sample ids {dup[:5]}")
+        for s in samples:
+            if not isinstance(s, Sample):
+                raise TypeError(f"benchmark {spec.name!r} build must return Samples, got {type(s).__name__}")
+            if s.metric not in spec.metrics:
+                raise ValueError(f"sample {s.id!r} of task {task!r} has metric={s.metric!r}; "
+                                 f"known: {sorted(spec.metrics)}")
+        out[task] = samples
+    return out
+
+
+def stop_ids(tokenizer, text: str) -> tuple[int, ...]:
+    """The ids that stop at `text`: those of `tokenizer(text)` that decode alone to exactly `text`.
+
+    LongBench's pred.py stops samsum at `tokenizer.encode("\\n", add_special_tokens=False)[-1]`; keeping only
+    the ids that decode to "\\n" gives that same id while dropping a SentencePiece word-start piece ("▁")
+    that some tokenizers put before it. Tokens that merely contain it ("\\n\\n", ".\\n") do not stop.
+    """
+    ids = [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
+    found = tuple(dict.fromkeys(i for i in ids if tokenizer.decode([i]) == text))
+    if not found:
+        raise ValueError(f"tokenizer {type(tokenizer).__name__} encodes the stop string {text!r} as {ids}, none "
+                         "of which decodes to it alone: it cannot stop generation")
+    return found
+
+
+@dataclasses.dataclass
+class Rendered:
+    """A sample's token ids under the protocol, and the ids that end its generation."""
+
+    context: list[int]
+    question: list[int]
+    eos: tuple[int, ...]  # the model's EOS first (vdjax.run pads finished rows with the first), then stops
+
+
+def render_samples(spec: Spec, tokenizer, built: dict[str, list[Sample]], model_eos) -> dict[tuple, Rendered]:
+    """{(task, sample id): Rendered}; the question-agnostic protocol refuses samples without a question."""
+    eos = tuple(int(e) for e in model_eos or ())
+    stops: dict[str, tuple[int, ...]] = {}
+    out = {}
+    for task, samples in built.items():
+        for s in samples:
+            ctx, q = render_ids(tokenizer, s, spec.template_kwargs)
+            if spec.protocol == "question_agnostic" and not q:
+                raise ValueError(f"sample {s.id!r} of task {task!r} has no question tokens; the "
+                                 "question_agnostic protocol needs a question after the context")
+            extra = [i for text in s.stop for i in stops.setdefault(text, stop_ids(tokenizer, text))]
+            out[task, s.id] = Rendered(ctx, q, eos + tuple(i for i in dict.fromkeys(extra) if i not in eos))
+    return out
+
+
+def batches(spec: Spec, samples: list[Sample], rendered: dict[tuple, Rendered]) -> list[list[tuple[Sample, int]]]:
+    """(sample, draw) rows in calls of at most batch_size that stop alike and, under question_agnostic, have
+    one question length; order kept within each kind."""
+    kinds: dict[tuple, list[tuple[Sample, int]]] = {}
+    for s in samples:
+        r = rendered[s.task, s.id]
+        q_len = 0 if spec.protocol == "paper" else len(r.question)
+        for d in range(spec.draws):
+            kinds.setdefault((r.eos, s.min_new_tokens, q_len), []).append((s, d))
+    n = spec.batch_size
+    return [rows[i:i + n] for rows in kinds.values() for i in range(0, len(rows), n)]
+
+
+# ---- one call ---------------------------------------------------------------------------------------------
+def _truncate_new(tokens, limit: int, eos: set[int]) -> tuple[list[int], bool]:
+    """(a row's new tokens, at most `limit`, ending at and including the first EOS; whether it hit `limit`)."""
+    row = [int(t) for t in tokens[:limit]]
+    for i, t in enumerate(row):
+        if t in eos:
+            return row[: i + 1], False
+    return row, len(row) >= limit
+
+
+def row_keys(seed: int, rows: list[tuple[Sample, int]]):
+    """One PRNG key per (sample, draw): folded from the seed, the sample id and the draw index."""
+    import jax
+    import jax.numpy as jnp
+
+    base = jax.random.key(seed)
+    return jnp.stack([jax.random.fold_in(jax.random.fold_in(base, zlib.crc32(s.id.encode()) & 0x7FFFFFFF), d)
+                      for s, d in rows])
+
+
+def run_call(params, spec: Spec, cfg: Config, rows: list[tuple[Sample, int]], rendered, tokenizer,
+             stamp: dict) -> Iterator[dict]:
+    """Generate `rows` under one config in one `vdjax.run` call; yield each row's record as it is scored."""
+    from vdjax.compilation import timed_run
+
+    rs = [rendered[s.task, s.id] for s, _ in rows]
+    max_new = max(s.max_new_tokens for s, _ in rows)
+    if spec.protocol == "paper":
+        ids, question = [r.context + r.question for r in rs], None
+    else:
+        ids, question = [r.context for r in rs], [r.question for r in rs]
+    kw: dict[str, Any] = {"eos_token_id": list(rs[0].eos)} if rs[0].eos != stamp["model_eos"] else {}
+    if rows[0][0].min_new_tokens:
+        kw["min_new_tokens"] = rows[0][0].min_new_tokens
+    if spec.sampling is not None:
+        kw.update(spec.sampling, key=row_keys(spec.seed, rows))
+    gen, prefill_s, decode_s, compile_s = timed_run(params, ids, cfg.policy, cfg.budget, block_size=spec.block_size,
+                                                    max_new_tokens=max_new, question=question, mesh=spec.mesh,
+                                                    **kw, **dict(cfg.hyper))
+    for i, ((s, draw), r) in enumerate(zip(rows, rs)):
+        new, truncated = _truncate_new(gen.tokens[i], s.max_new_tokens, set(r.eos))
+        prediction = tokenizer.decode(new, skip_special_tokens=True)
+        score = float(spec.metrics[s.metric](prediction, s.answers, s))
+        if not 0.0 <= score <= 1.0:
+            raise ValueError(f"metric {s.metric!r} gave score {score} for sample {s.id!r}; scores must lie in "
+                             "[0, 1]")
+        yield {
+            **spec.identity, "task": s.task, "sample_id": s.id, "draw": draw, "policy": cfg.policy.name,
+            "budget": cfg.budget, "budget_fraction": cfg.fraction, "hyper": dict(gen.hyper),
+            "prediction": prediction, "answers": list(s.answers), "score": score, "metric": s.metric,
+            "metric_extra": {k: s.extra[k] for k in METRIC_EXTRA if s.extra.get(k) is not None},
+            "input_tokens": len(r.context) + len(r.question), "new_tokens": len(new), "truncated": truncated,
+            "prefill_s": prefill_s, "decode_s": decode_s, "compile_s": compile_s, "batch": len(rows),
+            "vdjax_commit": stamp["commit"], "fingerprint": stamp["fingerprint"],
+        }
+
+
+# ---- fractional budgets -----------------------------------------------------------------------------------
+def frozen_budgets(spec: Spec, meta: dict, dense_lengths: Sequence[int]) -> dict[int, float]:
+    """{integer budget: fraction} for the run's fractions: those frozen in run.json first, the others from the
+    benchmark's `budget_rule` over the dense generation lengths (then frozen too). Fractions that give one
+    budget run it once, recorded under the smallest of them (with a warning)."""
+    frozen = {float(f): int(b) for f, b in (meta.get("fraction_budgets") or {}).items()}
+    new = [f for f in spec.budgets if f not in frozen]
+    if new:
+        frozen.update({float(f): int(b) for f, b in spec.module.budget_rule(new, dense_lengths).items()})
+        meta["fraction_budgets"] = {str(f): b for f, b in sorted(frozen.items())}
+        meta["dense_mean_new_tokens"] = sum(dense_lengths) / len(dense_lengths)
+    out: dict[int, float] = {}
+    for f in spec.budgets:
+        b = frozen[f]
+        if b in out:
+            warnings.warn(f"budgets {out[b]} and {f} both give budget {b} (mean dense generation length "
+                          f"{meta['dense_mean_new_tokens']:.1f} tokens); it runs once, recorded as {out[b]}",
+                          stacklevel=3)
+            continue
+        out[b] = f
+    return out
+
+
+# ---- run.json ---------------------------------------------------------------------------------------------
+def _write_json(path: Path, obj: dict) -> None:
+    """Write JSON atomically (temporary file, then rename)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+
+
+def start_invocation(spec: Spec, meta_path: Path, built, params, prints: dict) -> dict:
+    """run.json with this invocation's settings appended; returns the whole document (written)."""
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    meta.update(spec.identity)
+    meta["invocations"] = meta.get("invocations", []) + [{
+        "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "tasks": spec.tasks, "num_samples": spec.num_samples, "samples": {t: len(s) for t, s in built.items()},
+        "policies": [pol.name for pol, _ in spec.policies], "budgets": spec.budgets,
+        "hyper": {pol.name: dict(hyper) for pol, hyper in spec.policies}, "batch_size": spec.batch_size,
+        "draws": spec.draws, "template_kwargs": spec.template_kwargs,
+        "data_dir": None if spec.data_dir is None else str(spec.data_dir), "model_config": model_summary(params),
+        "fingerprint": prints, "mesh": None if spec.mesh is None else dict(spec.mesh.shape), **environment(),
+    }]
+    _write_json(meta_path, meta)
+    return meta
+
+
+# ---- the run ----------------------------------------------------------------------------------------------
+def evaluate(params, tokenizer, benchmark: str | ModuleType, *, model_name: str, policies: Sequence[str],
+             budgets: Sequence[int] | Sequence[float] | None, length: int, num_samples: int,
+             out_dir: str | os.PathLike, tasks: Sequence[str] | None = None, seed: int | None = None,
+             protocol: str = "paper", block_size: int = 128, batch_size: int = 1,
+             data_dir: str | os.PathLike | None = None, policy_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
+             metrics: Mapping[str, Callable] | None = None, template_kwargs: Mapping[str, Any] | None = None,
+             sampling: Mapping[str, float] | None = None, draws: int = 1, allow_mixed: bool = False,
+             progress: bool = True, mesh=None) -> Path:
+    """Run every (sample, policy, budget, draw) not yet in the run's predictions.jsonl; return that file's path.
+
+    `benchmark`: a name of BENCHMARKS or a module (see the module docstring). `policies`: names (dense runs
+    once per sample, budget null); `budgets`: cache slots per KV head for the evicting ones (ints >= 1), or
+    fractions in (0, 1) of the average dense generation length (dense must be among `policies`; the
+    benchmark's budget_rule applies). `seed`: None takes the benchmark's `SEED` (RULER 42), else 0.
+    `policy_kwargs`: {policy name: {keyword: value}}. `batch_size` > 1 runs up to that many rows of one task in
+    one ragged `vdjax.run` call. `metrics` overrides `vdjax.eval.metrics.METRICS`. `template_kwargs` reach the
+    chat template (`enable_thinking`, `reasoning_effort`). `sampling` / `draws`: see the module docstring.
+    `allow_mixed` resumes onto lines of another fingerprint. `mesh` (a jax Mesh, `vdjax.sharding.make_mesh`):
+    params are sharded on it once and each call's rows are split over "data".
+    """
+    spec = check_run(params, benchmark, model_name=model_name, policies=policies, budgets=budgets, length=length,
+                     num_samples=num_samples, tasks=tasks, seed=seed, protocol=protocol, block_size=block_size,
+                     batch_size=batch_size, data_dir=data_dir, policy_kwargs=policy_kwargs, metrics=metrics,
+                     template_kwargs=template_kwargs, sampling=sampling, draws=draws, mesh=mesh)
     if mesh is not None:
         from vdjax.sharding import shard_params
 
         params = shard_params(params, mesh)  # once: every call then finds its weights in place
-
-    folder = run_dir(out_dir, name, model_name, protocol, length)
-    folder.mkdir(parents=True, exist_ok=True)
-    pred_path, meta_path = folder / "predictions.jsonl", folder / "run.json"
-    identity = {"benchmark": name, "model": model_name, "length": length, "seed": seed, "protocol": protocol,
-                "block_size": block_size}
-    existing = read_predictions(pred_path, repair=True)
-    done = set()
-    for record in existing:
-        for field in RUN_FIELDS:
-            if record.get(field) != identity[field]:
-                raise ValueError(
-                    f"{pred_path} holds results with {field}={record.get(field)!r}; this run has "
-                    f"{field}={identity[field]!r}: use another out_dir (or the same {field})"
-                )
-        done.add(record_key(record))
-    for pol, hyper in pols:
-        want = json.loads(json.dumps(dict(hyper)))
-        for record in existing:
-            if record["policy"] == pol.name and record.get("hyper") != want:
-                raise ValueError(
-                    f"{pred_path} holds {pol.name!r} results with hyper-parameters {record.get('hyper')}; "
-                    f"this run asks for {want}: use another out_dir"
-                )
-
-    built = _build_samples(module, name, tokenizer, tasks, length=length, num_samples=num_samples, seed=seed,
-                           data_dir=data_dir)
-    for task, samples in built.items():
-        for s in samples:
-            if s.metric not in metrics:
-                raise ValueError(f"sample {s.id!r} of task {task!r} has metric={s.metric!r}; "
-                                 f"known: {sorted(metrics)}")
-    fractional = bool(budgets) and isinstance(budgets[0], float)
-    dense_cfgs = [(pol, hyper, None, None) for pol, hyper in pols if pol.is_dense]
-    evicting = [(pol, hyper) for pol, hyper in pols if not pol.is_dense]
-
-    def evicting_cfgs(by_budget: Mapping[int, float | None]) -> list[tuple]:
-        """(policy, hyper, budget, budget_fraction) of every evicting policy at every budget."""
-        return [(pol, hyper, b, f) for pol, hyper in evicting for b, f in by_budget.items()]
-
-    if fractional:  # phase 1: dense only; the evicting configs follow once every dense length is known
-        configs = dense_cfgs
-    else:
-        configs = [(pol, hyper, b, None) for pol, hyper in pols
-                   for b in ([None] if pol.is_dense else budgets)]
-
-    all_samples = [s for ss in built.values() for s in ss]
-    stop_ids = newline_ids(tokenizer) if any(_stops_at_newline(s) for s in all_samples) else ()
-
-    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
-    meta.update(identity)
-    invocation = {
-        "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "tasks": tasks, "num_samples": num_samples, "samples": {t: len(s) for t, s in built.items()},
-        "policies": [pol.name for pol, _ in pols], "budgets": budgets,
-        "hyper": {pol.name: dict(hyper) for pol, hyper in pols}, "batch_size": batch_size,
-        "data_dir": None if data_dir is None else str(data_dir), "model_config": _model_summary(params),
-        "mesh": None if mesh is None else dict(mesh.shape),
-        **_environment(),
-    }
-    meta["invocations"] = meta.get("invocations", []) + [invocation]
-    _write_json(meta_path, meta)
-
-    eos = set(int(e) for e in (params.config.eos_token_ids or ()))
-    # the run's EOS plus the newline, the model's EOS first (vdjax.run pads finished rows with the first one)
-    newline_eos = sorted(eos) + [i for i in stop_ids if i not in eos]
-    dense_new: dict[tuple[str, str], int] = {
-        (r["task"], r["sample_id"]): int(r["new_tokens"]) for r in existing
-        if dense_cfgs and r["policy"] == dense_cfgs[0][0].name}
-
-    def count_done(cfgs) -> int:
-        """How many (sample, config) of `cfgs` the file already holds."""
-        return sum((s.task, s.id, pol.name, b, protocol) in done
-                   for s in all_samples for pol, _, b, _ in cfgs)
-
-    rendered, groups = {}, {}
-    for task, samples in built.items():
-        rendered[task] = {s.id: render_ids(tokenizer, s) for s in samples}
-        if protocol == "question_agnostic":
-            empty = [s.id for s in samples if not rendered[task][s.id][1]]
-            if empty:
-                raise ValueError(f"samples {empty[:5]} of task {task!r} have no question tokens; the "
-                                 "question_agnostic protocol needs a question after the context")
-        groups[task] = _groups(samples, rendered[task], protocol, batch_size)
-
-    from tqdm.auto import tqdm
-
-    planned = len(configs) + (len(evicting) * len(budgets) if fractional else 0)
-    bar = tqdm(total=len(all_samples) * planned, initial=count_done(configs),
-               desc=f"{name} {model_name} L{length}", unit="gen", disable=not progress, dynamic_ncols=True)
-    writer = _Appender(pred_path)
-
-    def generate(cfgs) -> None:
-        """Run and write every (sample, config) of `cfgs` not yet done, group by group."""
-        for task in built:
-            for group in groups[task]:
-                for pol, hyper, budget, fraction in cfgs:
-                    todo = [s for s in group if (s.task, s.id, pol.name, budget, protocol) not in done]
-                    if not todo:
-                        continue
-                    bar.set_postfix_str(f"{task} {pol.name} {budget or ''}".rstrip(), refresh=False)
-                    ctx = [rendered[task][s.id][0] for s in todo]
-                    qs = [rendered[task][s.id][1] for s in todo]
-                    max_new = max(s.max_new_tokens for s in todo)
-                    if protocol == "paper":
-                        ids, question = [c + q for c, q in zip(ctx, qs)], None
-                    else:
-                        ids, question = ctx, qs
-                    stop = _stops_at_newline(todo[0])  # a group never mixes the two (_groups)
-                    # pred.py: min_length = prompt + 1 keeps EOS and the newline off the first token
-                    stop_kw = {"eos_token_id": newline_eos, "min_new_tokens": 1} if stop else {}
-                    row_eos = set(newline_eos) if stop else eos
-                    gen, prefill_s, decode_s, compile_s = timed_run(
-                        params, ids, pol, budget, block_size=block_size, max_new_tokens=max_new,
-                        question=question, mesh=mesh, **stop_kw, **dict(hyper))
-                    for r, s in enumerate(todo):
-                        new = _truncate_new(gen.tokens[r], s.max_new_tokens, row_eos)
-                        prediction = tokenizer.decode(new, skip_special_tokens=True)
-                        score = float(metrics[s.metric](prediction, s.answers, s))
-                        if not 0.0 <= score <= 1.0:
-                            raise ValueError(f"metric {s.metric!r} gave score {score} for sample {s.id!r}; "
-                                             "scores must lie in [0, 1]")
-                        writer.write({
-                            **identity, "task": s.task, "sample_id": s.id, "policy": pol.name,
-                            "budget": budget, "budget_fraction": fraction,
-                            "hyper": dict(gen.hyper), "prediction": prediction, "answers": list(s.answers),
-                            "score": score, "input_tokens": len(ctx[r]) + len(qs[r]), "new_tokens": len(new),
-                            "prefill_s": prefill_s, "decode_s": decode_s, "compile_s": compile_s,
-                            "batch": len(todo),
-                        })
-                        done.add((s.task, s.id, pol.name, budget, protocol))
-                        if pol.is_dense:
-                            dense_new[s.task, s.id] = len(new)
-                        bar.update(1)
-
-    try:
-        generate(configs)
-        if fractional:  # every dense run is done: budgets from the mean dense generation length
-            lengths = [dense_new[s.task, s.id] for s in all_samples]
-            by_budget = _fraction_budgets(budgets, lengths)
-            invocation["dense_mean_new_tokens"] = sum(lengths) / len(lengths)
-            invocation["fraction_budgets"] = {str(f): b for b, f in by_budget.items()}  # those that run
-            _write_json(meta_path, meta)
-            cfgs = evicting_cfgs(by_budget)
-            bar.total = len(all_samples) * (len(configs) + len(cfgs))
-            bar.update(count_done(cfgs))
-            generate(cfgs)
-    finally:
-        writer.close()
-        bar.close()
+    folder = run_dir(out_dir, spec.name, spec.model_name, spec.protocol, spec.length)
+    prints = fingerprint(params, tokenizer, spec.template_kwargs)
+    stamp = {"commit": git_commit(), "fingerprint": prints["id"],
+             "model_eos": tuple(int(e) for e in params.config.eos_token_ids or ())}
+    with PredictionsFile(folder / "predictions.jsonl") as out:
+        existing = read_predictions(out.path, repair=True)
+        done = check_resume(spec, out.path, existing, prints["id"], allow_mixed)
+        built = build_samples(spec, tokenizer)
+        rendered = render_samples(spec, tokenizer, built, stamp["model_eos"])
+        meta_path = folder / "run.json"
+        meta = start_invocation(spec, meta_path, built, params, prints)
+        loop = _Loop(spec, params, tokenizer, built, rendered, stamp, out, done, progress)
+        try:
+            loop.run(spec.dense_configs() if spec.fractional else
+                     spec.dense_configs() + spec.evicting_configs({b: None for b in spec.budgets}))
+            if spec.fractional:  # every dense run is done: budgets from the dense generation lengths
+                dense = {(r["task"], r["sample_id"], r.get("draw", 0)): r["new_tokens"]
+                         for r in existing + loop.written if r["policy"] == spec.dense_configs()[0].policy.name}
+                by_budget = frozen_budgets(spec, meta, [dense[s.task, s.id, d] for ss in built.values()
+                                                        for s in ss for d in range(spec.draws)])
+                meta["invocations"][-1]["fraction_budgets"] = {str(f): b for b, f in by_budget.items()}
+                _write_json(meta_path, meta)
+                loop.run(spec.evicting_configs(by_budget))
+        finally:
+            loop.close()
     meta["invocations"][-1]["finished"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     _write_json(meta_path, meta)
-    return pred_path
+    return out.path
 
 
-def _model_summary(params) -> dict:
-    """The model's family and sizes (from its config), for run.json."""
-    cfg = params.config
-    return {k: getattr(cfg, k) for k in ("family", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                                         "hidden_size", "vocab_size") if hasattr(cfg, k)}
+class _Loop:
+    """The generation loop of one `evaluate` call: calls grouped by task and batch, lines written as they come."""
+
+    def __init__(self, spec, params, tokenizer, built, rendered, stamp, out, done, progress):
+        from tqdm.auto import tqdm
+
+        self.spec, self.params, self.tokenizer, self.built, self.rendered = spec, params, tokenizer, built, rendered
+        self.stamp, self.out, self.done, self.written = stamp, out, done, []
+        self.rows = [(s, d) for ss in built.values() for s in ss for d in range(spec.draws)]
+        self.bar = tqdm(total=0, desc=f"{spec.name} {spec.model_name} L{spec.length}", unit="gen",
+                        disable=not progress, dynamic_ncols=True, mininterval=5)
+
+    def _key(self, s: Sample, draw: int, cfg: Config) -> tuple:
+        return s.task, s.id, cfg.policy.name, cfg.budget, self.spec.protocol, draw
+
+    def run(self, cfgs: list[Config]) -> None:
+        """Generate and write every (row, config) of `cfgs` not yet done, task by task, batch by batch."""
+        self.bar.total += len(self.rows) * len(cfgs)
+        self.bar.update(sum(self._key(s, d, c) in self.done for s, d in self.rows for c in cfgs))
+        for task, samples in self.built.items():
+            for rows in batches(self.spec, samples, self.rendered):
+                for cfg in cfgs:
+                    todo = [(s, d) for s, d in rows if self._key(s, d, cfg) not in self.done]
+                    if not todo:
+                        continue
+                    self.bar.set_postfix_str(f"{task} {cfg.policy.name} {cfg.budget or ''}".rstrip(), refresh=False)
+                    for record in run_call(self.params, self.spec, cfg, todo, self.rendered, self.tokenizer,
+                                           self.stamp):
+                        self.out.append(record)
+                        self.written.append(record)
+                        self.done.add(record_key(record))
+                        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()

@@ -13,7 +13,9 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
+
+from vdjax.prompt import has_chat_template, render_chat
 
 PROTOCOLS = ("paper", "question_agnostic")
 
@@ -31,41 +33,35 @@ class Sample:
     metric: str                  # name in vdjax.eval.metrics.METRICS
     answer_prefix: str = ""      # put after the templated prompt (RULER); the model continues it
     chat_template: bool = True   # False: plain text even when the tokenizer has a chat template (LongBench)
+    stop: tuple[str, ...] = ()   # generation also stops at a token decoding to one of these (LongBench samsum)
+    min_new_tokens: int = 0      # EOS and `stop` tokens are masked before this many new tokens
     extra: dict[str, Any] = dataclasses.field(default_factory=dict, hash=False, compare=False)
 
     def to_json(self) -> dict:
         """A JSON-serialisable dict of every field."""
-        return dataclasses.asdict(self) | {"answers": list(self.answers)}
+        return dataclasses.asdict(self) | {"answers": list(self.answers), "stop": list(self.stop)}
 
 
-def has_chat_template(tokenizer) -> bool:
-    """True when the tokenizer carries a chat template."""
-    return bool(getattr(tokenizer, "chat_template", None))
-
-
-def render_text(tokenizer, sample: Sample) -> tuple[str, int]:
+def render_text(tokenizer, sample: Sample, template_kwargs: Mapping[str, Any] | None = None) -> tuple[str, int]:
     """(full input text, character offset where the context ends) for `sample` with this tokenizer.
 
     With a chat template (and `sample.chat_template`), the user message is `context + question` and the
-    answer prefix follows the generation prompt; otherwise the text is `context + question + answer_prefix`.
+    answer prefix follows the generation prompt; otherwise the text is `context + question + answer_prefix`
+    (`vdjax.prompt.render_chat`, robust to templates that trim the message). `template_kwargs` go to the
+    chat template (`enable_thinking`, `reasoning_effort`).
     """
-    message = sample.context + sample.question
-    if sample.chat_template and has_chat_template(tokenizer):
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True
-        )
-        start = text.index(message)
-        return text + sample.answer_prefix, start + len(sample.context)
-    return message + sample.answer_prefix, len(sample.context)
+    return render_chat(tokenizer, sample.context, sample.question, answer_prefix=sample.answer_prefix,
+                       chat=sample.chat_template, template_kwargs=template_kwargs)
 
 
-def render_ids(tokenizer, sample: Sample) -> tuple[list[int], list[int]]:
+def render_ids(tokenizer, sample: Sample,
+               template_kwargs: Mapping[str, Any] | None = None) -> tuple[list[int], list[int]]:
     """(context ids, question ids): the full input tokenised once, split at the end of the context.
 
     `context + question` ids are exactly the tokenisation of the whole input (BOS added by the tokenizer
     when the text has no chat template of its own); a token straddling the boundary goes to the context.
     """
-    text, boundary = render_text(tokenizer, sample)
+    text, boundary = render_text(tokenizer, sample, template_kwargs)
     templated = sample.chat_template and has_chat_template(tokenizer)
     enc = tokenizer(text, add_special_tokens=not templated, return_offsets_mapping=True)
     ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
@@ -77,11 +73,11 @@ def render_ids(tokenizer, sample: Sample) -> tuple[list[int], list[int]]:
     return ids[:split], ids[split:]
 
 
-def token_counter(tokenizer) -> Callable[[Sample], int]:
+def token_counter(tokenizer, template_kwargs: Mapping[str, Any] | None = None) -> Callable[[Sample], int]:
     """A function giving a sample's input length plus its answer budget, in this tokenizer's tokens."""
 
     def count(sample: Sample) -> int:
-        ctx, q = render_ids(tokenizer, sample)
+        ctx, q = render_ids(tokenizer, sample, template_kwargs)
         return len(ctx) + len(q) + sample.max_new_tokens
 
     return count

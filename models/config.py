@@ -206,8 +206,22 @@ def _layer_types(hf: Mapping[str, Any], family: str, layers: int) -> tuple[str, 
     return ("full_attention",) * layers
 
 
-def from_hf_config(hf: Mapping[str, Any]) -> ModelConfig:
-    """Build a ModelConfig from a parsed HF config.json; refuse architectures or math it does not handle."""
+def _ids(value: Any) -> tuple[int, ...]:
+    """A token id or list of ids (or None) as a tuple of ints."""
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)
+
+
+def stop_ids(eos: Any, generation: Mapping[str, Any] | None = None) -> tuple[int, ...]:
+    """EOS ids: config.json's `eos` (an id or a list), then those only generation_config.json has
+    (Llama-3-Instruct's <|eot_id|>, Gemma-it's <end_of_turn> live there alone): transformers stops at both."""
+    return tuple(dict.fromkeys(_ids(eos) + _ids((generation or {}).get("eos_token_id"))))
+
+
+def from_hf_config(hf: Mapping[str, Any], generation: Mapping[str, Any] | None = None) -> ModelConfig:
+    """Build a ModelConfig from a parsed HF config.json (and generation_config.json, for its EOS ids); refuse
+    architectures or math it does not handle."""
     arch = resolve_architecture(hf)
     outer = hf
     if arch == "Gemma3ForConditionalGeneration":
@@ -247,8 +261,7 @@ def from_hf_config(hf: Mapping[str, Any]) -> ModelConfig:
     heads = int(hf["num_attention_heads"])
     layers = int(hf["num_hidden_layers"])
     types = _layer_types(hf, family, layers)
-    eos = hf.get("eos_token_id", outer.get("eos_token_id"))
-    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+    eos_ids = stop_ids(hf.get("eos_token_id", outer.get("eos_token_id")), generation)
     return ModelConfig(
         family=family,
         vocab_size=int(hf["vocab_size"]),

@@ -11,7 +11,8 @@ torch = pytest.importorskip("torch")
 
 import vdjax  # noqa: E402
 from helpers import tiny_tokenizer  # noqa: E402
-from vdjax.cli import default_policies, main  # noqa: E402
+from vdjax.cli import main  # noqa: E402
+from vdjax.policies import default_policies  # noqa: E402
 
 
 @pytest.fixture(scope="module")

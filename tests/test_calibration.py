@@ -285,9 +285,9 @@ def test_txt_file(tmp_path, tokenizer):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(length=0), r"length must be an int >= 1, got 0"),
-    (dict(length=2.5), r"length must be an int >= 1, got 2.5"),
-    (dict(per_category=0), r"per_category must be an int >= 1, got 0"),
+    (dict(length=0), r"length must be an integer >= 1, got 0"),
+    (dict(length=2.5), r"length must be an integer >= 1, got 2.5"),
+    (dict(per_category=0), r"per_category must be an integer >= 1, got 0"),
     (dict(categories=("math", "poetry")),
      r"category 'poetry' is unknown: the built-in categories are narrative, qa, code, math, retrieval"),
     (dict(categories="file"), r"category 'file' is unknown"),
@@ -302,8 +302,8 @@ def test_calibration_prompts_errors(kwargs, match):
 @pytest.mark.parametrize("args, match", [
     (("poetry", 0, 10), r"category 'poetry' is unknown: the built-in categories are"),
     (("file", 0, 10), r"category 'file' is unknown"),
-    (("math", -1, 10), r"index must be an int >= 0, got -1"),
-    (("math", 0, -5), r"min_chars must be an int >= 0, got -5"),
+    (("math", -1, 10), r"index must be an integer >= 0, got -1"),
+    (("math", 0, -5), r"min_chars must be an integer >= 0, got -5"),
 ])
 def test_builtin_texts_errors(args, match):
     with pytest.raises(ValueError, match=match):
@@ -334,5 +334,5 @@ def test_file_errors(tmp_path, name, content, error, match):
 def test_file_length_error(tmp_path):
     path = tmp_path / "p.txt"
     path.write_text("hello\n")
-    with pytest.raises(ValueError, match=r"length must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"length must be an integer >= 1, got 0"):
         prompts_from_file(path, BosTokenizer(), length=0)

@@ -248,3 +248,28 @@ def test_smollm2_from_registry(smollm2_dir, monkeypatch):
     tok = registry.load_tokenizer("smollm2-135m")
     assert tok.chat_template and "<|im_start|>" in tok.apply_chat_template(
         [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+
+
+def test_eos_ids_union_of_config_and_generation_config(tmp_path):
+    """Llama-3-Instruct's <|eot_id|> and Gemma-it's <end_of_turn> live only in generation_config.json: both
+    files' EOS ids stop generation, config.json's first."""
+    _tiny_llama(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["eos_token_id"] = 7
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [9, 7, 11]}))
+    params = load_hf_checkpoint(tmp_path)
+    assert params.config.eos_token_ids == (7, 9, 11)
+    import vdjax
+
+    ids = np.arange(1, 9, dtype=np.int32)
+    free = vdjax.generate(params, ids, "dense", max_new_tokens=12, eos_token_id=[])[0].tolist()
+    stop = next(t for t in free[1:] if t not in (7, 11))  # a token the model emits after the first
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": stop}))
+    params = load_hf_checkpoint(tmp_path)
+    assert params.config.eos_token_ids == (7, stop)
+    out = vdjax.generate(params, ids, "dense", max_new_tokens=12)[0].tolist()
+    cut = next(i for i, t in enumerate(free) if t in (7, stop))
+    assert out == free[: cut + 1]  # stops at the generation_config-only id (or 7, whichever comes first)
+    (tmp_path / "generation_config.json").unlink()
+    assert load_hf_checkpoint(tmp_path).config.eos_token_ids == (7,)

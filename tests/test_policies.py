@@ -78,8 +78,13 @@ def _ref_scores(name, k, v, pos, probs, q_pos, acc, budget, **kw):
                 votes = probs[b, h][:, win].sum(1).mean(0)
                 order = sorted(np.flatnonzero(val), key=lambda j: pos[b, h, j])
                 pooled = np.full(C, -np.inf)
-                for r, j in enumerate(order):
-                    pooled[j] = max(votes[order[i]] for i in range(max(0, r - 3), min(len(order), r + 4)))
+                if kw.get("pooling", "max") == "max":
+                    for r, j in enumerate(order):
+                        pooled[j] = max(votes[order[i]] for i in range(max(0, r - 3), min(len(order), r + 4)))
+                else:  # torch avg_pool1d(kernel 5, padding 2, count_include_pad): zeros beyond both ends
+                    padded = np.concatenate([np.zeros(2), votes[order], np.zeros(2)])
+                    for r, j in enumerate(order):
+                        pooled[j] = padded[r:r + 5].sum() / 5
                 s = np.where(recent(w), np.inf, pooled)
             out[b, h] = s
     return out
@@ -98,6 +103,24 @@ def test_score_matches_numpy(name):
     ref = _ref_scores(name, k, v, pos, probs, q_pos, acc, N, **kw)
     valid = pos >= 0
     np.testing.assert_allclose(got[valid], ref[valid], rtol=2e-5, atol=1e-6)
+
+
+def test_snapkv_avg_pooling_matches_numpy_and_binds_its_kernel():
+    """pooling="avg" is SnapKV's / kvpress's avg_pool1d over 5; kernel=None resolves per pooling."""
+    k, v, pos, probs, q_pos, acc = _inputs(seed=2)
+    attn = P.AttnInfo(jnp.asarray(probs), jnp.asarray(q_pos), jnp.asarray(acc))
+    pol = vdjax.get_policy("snapkv")
+    got = np.asarray(pol(k, v, attn, jnp.asarray(pos), budget=N, window=3, pooling="avg"))
+    ref = _ref_scores("snapkv", k, v, pos, probs, q_pos, acc, N, window=3, pooling="avg")
+    valid = pos >= 0
+    np.testing.assert_allclose(got[valid], ref[valid], rtol=2e-5, atol=1e-6)
+    mx = np.asarray(pol(k, v, attn, jnp.asarray(pos), budget=N, window=3))
+    assert not np.allclose(mx[valid & np.isfinite(mx)], got[valid & np.isfinite(mx)])
+    assert dict(pol.bind_hyper(None, pol.hyper())) == {"kernel": 7, "pooling": "max", "window": 32}
+    assert dict(pol.bind_hyper(None, pol.hyper(pooling="avg"))) == {"kernel": 5, "pooling": "avg", "window": 32}
+    assert dict(pol.bind_hyper(None, pol.hyper(pooling="avg", kernel=9)))["kernel"] == 9
+    with pytest.raises(ValueError, match="pooling must be one of \\['avg', 'max'\\], got 'mean'"):
+        pol.bind_hyper(None, pol.hyper(pooling="mean"))
 
 
 @pytest.mark.parametrize("name", ["valuediff", "valuediff_dir", "keydiff", "manifoldkv", "fastcaote"])

@@ -283,6 +283,27 @@ def test_qa_1_squad(built):
     assert built["qa_1"][0].answers == ("France",) * 4
 
 
+def test_qa_gold_document_sits_where_the_official_seed_puts_it():
+    """RULER shuffles qa's documents with a fresh Random(42): the gold document (first before the shuffle) gets
+    the same slot for a given document count, near the end for 16-32 documents (86-94 %). vdjax's default
+    seed is RULER's; seed 0 put it near the start (4-22 %)."""
+    assert ruler.SEED == 42
+    default = ruler.build("qa_1", TOK, length=3072, num_samples=8)  # 21-25 documents with WordTok
+    assert [s.id for s in default] == [f"qa_1-3072-42-{i}" for i in range(8)]
+    for s in default:
+        n, (slot,) = s.extra["haystack"], s.extra["gold_documents"]
+        assert 16 <= n <= 32 and 86 <= s.extra["depths"][0] <= 94, (n, s.extra["depths"])
+        import random
+        order = list(range(n))
+        random.Random(42).shuffle(order)
+        assert slot == order.index(0) + 1  # exactly RULER's permutation for this N
+        docs_start = s.context.index("Document 1:\n")
+        docs = s.context[docs_start:]  # the context part ends with the documents
+        assert s.extra["depths_chars"][0] == round(100 * docs.index(f"Document {slot}:\n") / len(docs), 1)
+    seed0 = ruler.build("qa_1", TOK, length=3072, num_samples=8, seed=0)
+    assert max(s.extra["depths"][0] for s in seed0) <= 25
+
+
 def test_qa_2_hotpotqa(built):
     first = _json("hotpotqa.json")[0]
     paragraphs = [f"{title}\n{''.join(sentences)}" for title, sentences in first["context"]]
@@ -321,11 +342,11 @@ def test_fit_finds_the_largest_size():
 def test_bad_input():
     with pytest.raises(ValueError, match="task must be one of niah_single_1.*'niah'"):
         ruler.build("niah", TOK, length=LENGTH, num_samples=1)
-    with pytest.raises(ValueError, match="length must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match="length must be an integer >= 1, got 0"):
         ruler.build("vt", TOK, length=0, num_samples=1)
-    with pytest.raises(ValueError, match="num_samples must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match="num_samples must be an integer >= 1, got 0"):
         ruler.build("vt", TOK, length=LENGTH, num_samples=0)
-    with pytest.raises(ValueError, match="seed must be an int, got '1'"):
+    with pytest.raises(ValueError, match="seed must be an integer >= 0, got '1'"):
         ruler.build("vt", TOK, length=LENGTH, num_samples=1, seed="1")
     with pytest.raises(ValueError, match="length=100 is too small for task 'niah_single_1'"):
         ruler.build("niah_single_1", TOK, length=100, num_samples=1)

@@ -10,17 +10,19 @@ import csv
 import dataclasses
 import importlib.util
 import json
+import os
 import random
 import re
 import sys
 import types
 
+import jax
 import pytest
 
 import vdjax
 from tests.helpers import random_params, tiny_config
 from vdjax.cli import main
-from vdjax.eval import report, runner
+from vdjax.eval import records as rec, report, runner
 from vdjax.eval.sample import Sample
 
 CHARS = " abcdefghijklmnopqrstuvwxyz0123456789.,:?\n"
@@ -69,6 +71,12 @@ def _build(task, tokenizer, *, length, num_samples, seed=0, metric="overlap"):
     return out
 
 
+def math500_budget_rule(fractions, dense_lengths):
+    from vdjax.eval.math500 import fraction_budgets
+
+    return fraction_budgets(dense_lengths, fractions)
+
+
 def fake_benchmark(tasks=("alpha", "beta"), metric="overlap", name="fake") -> types.ModuleType:
     """A module with TASKS and build, like vdjax.eval.ruler."""
     module = types.ModuleType(f"fake_{name}")
@@ -78,6 +86,7 @@ def fake_benchmark(tasks=("alpha", "beta"), metric="overlap", name="fake") -> ty
         return _build(task, tokenizer, length=length, num_samples=num_samples, seed=seed, metric=metric)
 
     module.build = build
+    module.budget_rule = math500_budget_rule  # accepts budgets as fractions, by MATH-500's rule
     return module
 
 
@@ -114,7 +123,7 @@ def _lines(path):
 
 def _expected_keys(tasks=("alpha", "beta"), n=4, protocol="paper"):
     cfgs = [("dense", None), ("valuediff", 16), ("valuediff", 32), ("streaming", 16), ("streaming", 32)]
-    return {(t, f"{t}-{i}", p, b, protocol) for t in tasks for i in range(n) for p, b in cfgs}
+    return {(t, f"{t}-{i}", p, b, protocol, 0) for t in tasks for i in range(n) for p, b in cfgs}
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +136,7 @@ def reference(tiny, tmp_path_factory):
 def test_every_line_once(reference):
     assert reference.parts[-5:] == ("fake", "tiny", "paper", "L85", "predictions.jsonl")
     lines = _lines(reference)
-    keys = [runner.record_key(r) for r in lines]
+    keys = [rec.record_key(r) for r in lines]
     assert len(keys) == len(set(keys)) == 40
     assert set(keys) == _expected_keys()
     for r in lines:
@@ -164,12 +173,12 @@ def test_batched_equals_one_by_one(tiny, reference, tmp_path, monkeypatch):
     for (ids, question), s in zip(calls, samples):
         assert question is None and len(ids) == 1
         assert len(ids[0]) == 1 + len(s.context) + len(s.question) + len(s.answer_prefix)
-    ref = {runner.record_key(r): r for r in _lines(reference)}
+    ref = {rec.record_key(r): r for r in _lines(reference)}
     lines = _lines(single)
     assert len(lines) == 4 and all(r["batch"] == 1 for r in lines)
     for r in lines:
-        assert (r["prediction"], r["score"]) == (ref[runner.record_key(r)]["prediction"],
-                                                 ref[runner.record_key(r)]["score"])
+        assert (r["prediction"], r["score"]) == (ref[rec.record_key(r)]["prediction"],
+                                                 ref[rec.record_key(r)]["score"])
 
 
 def test_resume_after_crash(tiny, reference, tmp_path, monkeypatch):
@@ -196,11 +205,11 @@ def test_resume_after_crash(tiny, reference, tmp_path, monkeypatch):
     lines = path.read_text().splitlines()
     assert lines[:7] == before  # nothing rewritten
     records = [json.loads(line) for line in lines]
-    keys = [runner.record_key(r) for r in records]
+    keys = [rec.record_key(r) for r in records]
     assert len(keys) == len(set(keys)) == 40 and set(keys) == _expected_keys()
     assert sum(seen) == 40 - 7  # only the missing (sample, policy, budget) were generated
-    ref = {runner.record_key(r): (r["prediction"], r["score"]) for r in _lines(reference)}
-    assert {runner.record_key(r): (r["prediction"], r["score"]) for r in records} == ref
+    ref = {rec.record_key(r): (r["prediction"], r["score"]) for r in _lines(reference)}
+    assert {rec.record_key(r): (r["prediction"], r["score"]) for r in records} == ref
     assert len(json.loads((path.parent / "run.json").read_text())["invocations"]) == 2
 
     # a third run has nothing to do
@@ -213,13 +222,13 @@ def test_read_predictions_repairs_only_the_tail(tmp_path):
     path = tmp_path / "predictions.jsonl"
     good = {"task": "t", "sample_id": "1", "policy": "dense", "budget": None, "protocol": "paper"}
     path.write_text(json.dumps(good) + "\n" + json.dumps(good | {"sample_id": "2"}))  # complete, no newline
-    assert len(runner.read_predictions(path, repair=True)) == 2
+    assert len(rec.read_predictions(path, repair=True)) == 2
     assert path.read_text().endswith("}\n")
     path.write_text(json.dumps(good) + "\nnot json\n" + json.dumps(good) + "\n")
     with pytest.raises(ValueError, match="line 2"):
-        runner.read_predictions(path)
+        rec.read_predictions(path)
     path.write_text(json.dumps(good) + "\n{\"task\": \n")  # torn line followed by its newline
-    assert len(runner.read_predictions(path, repair=True)) == 1
+    assert len(rec.read_predictions(path, repair=True)) == 1
     assert path.read_text() == json.dumps(good) + "\n"
 
 
@@ -264,7 +273,7 @@ def test_question_agnostic_uses_question(tiny, tmp_path, monkeypatch):
 
 def test_newline_ids():
     """The newline stop ids: CharTokenizer's "\\n"; a leading SentencePiece "▁" piece is dropped."""
-    assert runner.newline_ids(CharTokenizer()) == (2 + CHARS.index("\n"),)
+    assert runner.stop_ids(CharTokenizer(), "\n") == (2 + CHARS.index("\n"),)
 
     class Piece(CharTokenizer):  # "\n" -> ["▁", "\n"] like Llama-2's SentencePiece (▁ = id 60 here)
         def __call__(self, text, add_special_tokens=True, return_offsets_mapping=False):
@@ -273,24 +282,25 @@ def test_newline_ids():
         def decode(self, ids, skip_special_tokens=False):
             return "".join(" " if i == 60 else super(Piece, self).decode([i]) for i in ids)
 
-    assert runner.newline_ids(Piece()) == (43,)
+    assert runner.stop_ids(Piece(), "\n") == (43,)
 
     class NoNewline(CharTokenizer):
         def decode(self, ids, skip_special_tokens=False):
             return super().decode(ids).replace("\n", "?")
 
-    with pytest.raises(ValueError, match=r"encodes '\\n' as \[43\], none of which decodes"):
-        runner.newline_ids(NoNewline())
+    with pytest.raises(ValueError, match=r"encodes the stop string '\\n' as \[43\], none of which decodes"):
+        runner.stop_ids(NoNewline(), "\n")
 
 
 def test_stop_at_newline(tiny, reference, tmp_path, monkeypatch):
-    """Samples with extra["stop_at_newline"] stop at (and keep) the first newline, never share a call with the
-    others, and keep at least one new token; the others are unchanged."""
+    """Samples with stop=("\n",), min_new_tokens=1 (LongBench samsum's rule, declared by its samples) stop at
+    (and keep) the first newline, never share a call with the others, and keep at least one new token; the
+    others are unchanged."""
     flagged = {"alpha-1", "alpha-2"}
     bench = fake_benchmark()
     build = bench.build
-    bench.build = lambda *a, **k: [dataclasses.replace(s, extra={"stop_at_newline": s.id in flagged})
-                                   for s in build(*a, **k)]
+    bench.build = lambda *a, **k: [dataclasses.replace(s, stop=("\n",), min_new_tokens=1) if s.id in flagged
+                                   else s for s in build(*a, **k)]
     tok = CharTokenizer()
     prompt_of = {tuple(tok(s.context + s.question + s.answer_prefix)["input_ids"]): s.id
                  for s in _build("alpha", tok, length=85, num_samples=4)}
@@ -305,12 +315,12 @@ def test_stop_at_newline(tiny, reference, tmp_path, monkeypatch):
         assert ids in ({"alpha-0", "alpha-3"}, flagged)
         assert eos == ([1, 2 + CHARS.index("\n")] if ids == flagged else None)
         assert min_new == (1 if ids == flagged else 0)
-    ref = {runner.record_key(r): r for r in _lines(reference)}
+    ref = {rec.record_key(r): r for r in _lines(reference)}
     records = _lines(path)
     assert len(records) == 8
     cut = forced = 0
     for r in records:
-        want = ref[runner.record_key(r)]
+        want = ref[rec.record_key(r)]
         if r["sample_id"] in flagged and want["prediction"].startswith("\n"):  # min_new_tokens=1 forbids it
             assert not r["prediction"].startswith("\n") and "\n" not in r["prediction"][:-1]
             assert r["new_tokens"] >= 1
@@ -328,8 +338,11 @@ def test_stop_at_newline(tiny, reference, tmp_path, monkeypatch):
     assert not by_key["alpha-2", 32]["prediction"].startswith("\n")
 
 
-def _dense_record(sample_id, new_tokens, score):
-    return {"benchmark": "fake", "model": "tiny", "length": 85, "seed": 0, "protocol": "paper",
+def _dense_record(sample_id, new_tokens, score, tiny):
+    from vdjax.eval.provenance import fingerprint
+
+    return {"fingerprint": fingerprint(*tiny)["id"], "benchmark": "fake", "model": "tiny", "length": 85,
+            "seed": 0, "protocol": "paper",
             "block_size": 16, "task": "alpha", "sample_id": sample_id, "policy": "dense", "budget": None,
             "budget_fraction": None, "hyper": {}, "prediction": "x", "answers": ["10", "sky"], "score": score,
             "new_tokens": new_tokens}
@@ -341,7 +354,7 @@ def test_fraction_budgets_from_recorded_dense(tiny, reference, tmp_path, monkeyp
     folder.mkdir(parents=True)
     lengths = [40, 50, 70, 100]  # mean 65: 0.25 -> 16.25 -> 16, 0.3 -> 19.5 -> 16, 0.5 -> 32.5 -> 32 (pow2)
     (folder / "predictions.jsonl").write_text("".join(
-        json.dumps(_dense_record(f"alpha-{i}", n, 1.0)) + "\n" for i, n in enumerate(lengths)))
+        json.dumps(_dense_record(f"alpha-{i}", n, 1.0, tiny)) + "\n" for i, n in enumerate(lengths)))
     calls = []
     real_run = vdjax.run
     monkeypatch.setattr(vdjax, "run", lambda p, ids, pol, budget, *a, **k: calls.append((pol.name, budget))
@@ -353,11 +366,26 @@ def test_fraction_budgets_from_recorded_dense(tiny, reference, tmp_path, monkeyp
     records = _lines(path)[4:]
     assert len(records) == 8
     assert {(r["budget"], r["budget_fraction"]) for r in records} == {(16, 0.25), (32, 0.5)}
-    ref = {runner.record_key(r): r["prediction"] for r in _lines(reference)}
-    assert all(r["prediction"] == ref[runner.record_key(r)] for r in records)  # integer runs at 16/32 agree
+    ref = {rec.record_key(r): r["prediction"] for r in _lines(reference)}
+    assert all(r["prediction"] == ref[rec.record_key(r)] for r in records)  # integer runs at 16/32 agree
     inv = json.loads((folder / "run.json").read_text())["invocations"][-1]
-    assert inv["budgets"] == [0.25, 0.3, 0.5] and inv["dense_mean_new_tokens"] == 65.0
+    meta = json.loads((folder / "run.json").read_text())
+    assert inv["budgets"] == [0.25, 0.3, 0.5] and meta["dense_mean_new_tokens"] == 65.0
     assert inv["fraction_budgets"] == {"0.25": 16, "0.5": 32}
+    assert meta["fraction_budgets"] == {"0.25": 16, "0.3": 16, "0.5": 32}  # frozen, every fraction asked
+
+    # frozen: dense lines that would now give other budgets change nothing for the fractions already set;
+    # a new fraction is computed from the dense lengths of now (mean 130: 0.125 -> 16.25 -> 16) and frozen too
+    lines = (folder / "predictions.jsonl").read_text().splitlines()
+    doubled = [json.dumps(r | {"new_tokens": 2 * r["new_tokens"]}) if r["policy"] == "dense" else json.dumps(r)
+               for r in map(json.loads, lines)]
+    (folder / "predictions.jsonl").write_text("\n".join(doubled) + "\n")
+    calls.clear()
+    with pytest.warns(UserWarning, match="budgets 0.125 and 0.25 both give budget 16"):
+        _run(tiny, tmp_path, tasks=["alpha"], policies=["dense", "valuediff"], budgets=[0.5, 0.25, 0.125])
+    assert calls == []  # budgets 16 and 32 again: all done
+    meta = json.loads((folder / "run.json").read_text())
+    assert meta["fraction_budgets"] == {"0.125": 16, "0.25": 16, "0.3": 16, "0.5": 32}
 
     s = report.summarize(path)
     assert {(r.budget, r.fraction) for r in s.rows} == {(16, 0.25), (32, 0.5)}
@@ -399,12 +427,12 @@ def test_fraction_budgets_two_phases_resume(tiny, reference, tmp_path, monkeypat
     assert order == [("valuediff", 2)]  # the second group only
     records = _lines(path)
     assert records[:6] == first
-    keys = [runner.record_key(r) for r in records]
+    keys = [rec.record_key(r) for r in records]
     assert len(keys) == len(set(keys)) == 8
     assert [(r["policy"], r["budget"], r["budget_fraction"]) for r in records[4:]] \
         == [("valuediff", 1, 0.25)] * 4
-    ref = {runner.record_key(r): r["prediction"] for r in _lines(reference)}
-    assert all(r["prediction"] == ref[runner.record_key(r)] for r in records if r["policy"] == "dense")
+    ref = {rec.record_key(r): r["prediction"] for r in _lines(reference)}
+    assert all(r["prediction"] == ref[rec.record_key(r)] for r in records if r["policy"] == "dense")
     invs = json.loads((path.parent / "run.json").read_text())["invocations"]
     assert [inv["fraction_budgets"] for inv in invs] == [{"0.25": 1}] * 2
 
@@ -508,6 +536,25 @@ def test_report_hand_computed(tmp_path):
     assert s.png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_report_names_settings_and_warns_about_mixed_lines(tmp_path):
+    """Captions name seed, block size, decoding and hyper-parameters; lines that differ in them are warned
+    about (left out when their key is taken, flagged when a table mixes them), never dropped silently."""
+    folder = tmp_path / "ruler"
+    folder.mkdir()
+    lines = [_rec(*row) for row in HAND[:8]]
+    for r in lines:
+        r["hyper"] = {"n_sink": 4} if r["policy"] == "streaming" else r["hyper"]
+    lines[4]["hyper"] = {"window": 32}  # valuediff never had hyper-parameters: a mixed table
+    dup = dict(lines[5], seed=1, score=1.0)  # same key as lines[5], another seed: left out, with a warning
+    (folder / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines + [dup]))
+    s = report.summarize(folder)
+    assert any("1 line(s) of" in w and "differs in seed" in w for w in s.warnings), s.warnings
+    assert any("mixes lines of several valuediff hyper-parameters" in w for w in s.warnings), s.warnings
+    md = s.md_path.read_text()
+    assert md.startswith("> warning:") and 'Settings: seed 0; block 128; decoding greedy; valuediff {"window": 32}' in md
+    assert s.rows[0].cells["valuediff"].score == 50.0  # the first line of the key kept (score 0.0, not 1.0)
+
+
 def test_report_partial_and_folder(tmp_path):
     """Only evicting results (no dense yet), found through a folder: scores shown, retention '—'."""
     folder = tmp_path / "out" / "ruler" / "m" / "paper" / "L4096"
@@ -541,6 +588,10 @@ def test_report_partial_and_folder(tmp_path):
      r"--tasks: \['nope'\] not in longbench"),
     (["eval", "longbench", "--policies", "dense"], "--data-dir: benchmark 'longbench' needs its data folder"),
     (["eval", "math500", "--policies", "dense", "--data-dir", "/no/such/dir"], "--data-dir: no such folder"),
+    (["eval", "longbench", "--policies", "dense", "--data-dir", "."],
+     r"--length: benchmark 'longbench' needs --length N .*model2maxlen.* or --length model"),
+    (["eval", "math500", "--policies", "dense", "--data-dir", ".", "--draws", "5"],
+     r"draws=5 with greedy decoding"),
 ])
 def test_cli_refuses(argv, message, capsys, monkeypatch):
     monkeypatch.setenv("VDJAX_COMPILE_CACHE", "0")
@@ -572,3 +623,97 @@ def test_cli_end_to_end_smollm2(smollm2_dir, tmp_path, monkeypatch, capsys):
     assert all(0.0 <= r["score"] <= 1.0 and r["task"] == "niah_single_1" for r in records)
     assert all(r["input_tokens"] <= 600 and r["new_tokens"] >= 1 and r["batch"] == 2 for r in records)
     assert "valuediff" in printed and "dense" in printed and "summary" in printed
+
+
+# ---- provenance, one writer, rescoring, sampled draws -----------------------------------------------------
+def test_lines_record_commit_and_fingerprint(tiny, reference, tmp_path):
+    """Every line carries the vdjax commit and the (checkpoint, tokenizer, template) fingerprint; resuming
+    with another model, dtype or template is refused unless allow_mixed."""
+    import shutil
+
+    from vdjax.eval.provenance import fingerprint, git_commit
+
+    params, tok = tiny
+    prints = fingerprint(params, tok)
+    for r in _lines(reference):
+        assert r["fingerprint"] == prints["id"] and r["vdjax_commit"] == git_commit()
+        assert r["metric"] == "overlap" and r["draw"] == 0 and r["sampling"] is None
+    inv = json.loads((reference.parent / "run.json").read_text())["invocations"][-1]
+    assert inv["fingerprint"] == prints
+    shutil.copytree(reference.parent.parent.parent.parent.parent, tmp_path, dirs_exist_ok=True)
+    other = random_params(params.config, seed=4)  # same shapes, other weights
+    assert fingerprint(other, tok)["id"] != prints["id"]
+    assert fingerprint(params, tok, {"enable_thinking": False})["id"] != prints["id"]
+    assert fingerprint(jax.tree.map(lambda x: x.astype("bfloat16"), params), tok)["id"] != prints["id"]
+    with pytest.raises(ValueError, match=f"fingerprint '{prints['id']}'.*allow_mixed=True"):
+        _run((other, tok), tmp_path, budgets=[16, 32, 48])
+    path = _run((other, tok), tmp_path, budgets=[16, 32, 48], allow_mixed=True)
+    mixed = _lines(path)
+    assert len(mixed) == 40 + 16 and {r["fingerprint"] for r in mixed[40:]} == {fingerprint(other, tok)["id"]}
+
+
+def test_one_writer_per_predictions_file(tiny, tmp_path):
+    """A second process writing the same predictions file gets a clear error naming the holder."""
+    import subprocess
+
+    path = tmp_path / "fake" / "tiny" / "paper" / "L85" / "predictions.jsonl"
+    with rec.PredictionsFile(path):
+        code = ("import sys; from vdjax.eval.records import PredictionsFile\n"
+                "try:\n    PredictionsFile(sys.argv[1]).__enter__()\nexcept RuntimeError as e:\n"
+                "    print(e); sys.exit(3)\n")
+        out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True)
+        assert out.returncode == 3, out.stderr
+        assert f"pid {os.getpid()}" in out.stdout and "one writer per file" in out.stdout
+        with pytest.raises(RuntimeError, match="being written by another process"):
+            _run(tiny, tmp_path)
+    _run(tiny, tmp_path, tasks=["alpha"], policies=["dense"], budgets=None)  # released: runs
+
+
+def test_rescore_recomputes_from_predictions(tiny, reference, tmp_path):
+    import shutil
+
+    shutil.copy(reference, tmp_path / "predictions.jsonl")
+    path = tmp_path / "predictions.jsonl"
+    before = _lines(path)
+    n, changed = rec.rescore(path, {"overlap": length_score})
+    after = _lines(path)
+    assert n == 40 and changed == sum(r["score"] != length_score(r["prediction"], None, None) for r in before)
+    assert [r["score"] for r in after] == [length_score(r["prediction"], None, None) for r in before]
+    assert [{k: v for k, v in r.items() if k != "score"} for r in after] == \
+        [{k: v for k, v in r.items() if k != "score"} for r in before]
+    assert rec.rescore(path, {"overlap": length_score}) == (40, 0)
+    with pytest.raises(ValueError, match="line 1 .* has metric 'overlap'; known: \\['length'\\]"):
+        rec.rescore(path, {"length": length_score})
+
+
+def test_sampled_draws_are_per_row_and_resume_exactly(tiny, tmp_path):
+    """k draws per sample from per-row keys: batched = one by one, and a resumed run redraws only what is
+    missing, identically."""
+    kw = dict(tasks=["alpha"], policies=["dense", "valuediff"], budgets=[16], draws=3,
+              sampling={"temperature": 1.5, "top_p": 0.95})
+    batched = _lines(_run(tiny, tmp_path / "a", batch_size=4, **kw))
+    single = _lines(_run(tiny, tmp_path / "b", batch_size=1, **kw))
+    key = rec.record_key
+    assert len(batched) == 4 * 3 * 2 and {key(r) for r in batched} == {key(r) for r in single}
+    by_key = {key(r): r["prediction"] for r in single}
+    assert all(r["prediction"] == by_key[key(r)] for r in batched)
+    assert {r["draw"] for r in batched} == {0, 1, 2}
+    assert batched[0]["sampling"] == {"temperature": 1.5, "top_k": 0, "top_p": 0.95}
+    per_sample = {}
+    for r in batched:
+        per_sample.setdefault((r["sample_id"], r["policy"]), set()).add(r["prediction"])
+    assert any(len(v) > 1 for v in per_sample.values())  # the draws differ
+    _run(tiny, tmp_path / "greedy", tasks=["alpha"], policies=["dense"], budgets=None)
+    with pytest.raises(ValueError, match="sampling=None; this run has sampling="):
+        _run(tiny, tmp_path / "greedy", **kw)
+    with pytest.raises(ValueError, match="draws=2 with greedy decoding"):
+        _run(tiny, tmp_path, draws=2)
+    with pytest.raises(ValueError, match="sampling keys \\['temp'\\] unknown"):
+        _run(tiny, tmp_path, sampling={"temp": 1.0})
+
+
+def test_seed_defaults_to_the_benchmark_seed(tiny, tmp_path):
+    bench = fake_benchmark()
+    bench.SEED = 7
+    path = _run(tiny, tmp_path, bench, tasks=["alpha"], policies=["dense"], budgets=None, seed=None)
+    assert {r["seed"] for r in _lines(path)} == {7}

@@ -34,6 +34,8 @@ from decimal import Decimal
 from fractions import Fraction
 from pathlib import Path
 
+from vdjax.checks import check_int
+
 CATEGORIES = ("narrative", "qa", "code", "math", "retrieval")
 
 # Stable pure-Python standard library modules (present in CPython 3.10+), read as source text.
@@ -352,12 +354,6 @@ def _math(index: int, min_chars: int) -> str:
 # ---------------------------------------------------------------------------------------------- public API
 
 
-def _check_count(name: str, value, minimum: int) -> None:
-    """ValueError unless value is an int >= minimum."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-
-
 def _check_category(category) -> None:
     """ValueError unless category is one of CATEGORIES."""
     if category not in CATEGORIES:
@@ -376,8 +372,8 @@ def _parts(category: str, index: int, min_chars: int) -> tuple[str, str]:
 def builtin_texts(category: str, index: int, min_chars: int) -> str:
     """A deterministic text of at least min_chars characters for (category, index)."""
     _check_category(category)
-    _check_count("index", index, 0)
-    _check_count("min_chars", min_chars, 0)
+    check_int("index", index, 0)
+    check_int("min_chars", min_chars, 0)
     body, tail = _parts(category, index, min_chars)
     return body + tail
 
@@ -407,8 +403,8 @@ def calibration_prompts(tokenizer, length: int = 2048, per_category: int = 4, *,
                         categories=CATEGORIES) -> list[CalibrationPrompt]:
     """per_category prompts of each category, each exactly `length` tokens (BOS kept if the tokenizer adds
     one)."""
-    _check_count("length", length, 1)
-    _check_count("per_category", per_category, 1)
+    check_int("length", length, 1)
+    check_int("per_category", per_category, 1)
     categories = (categories,) if isinstance(categories, str) else tuple(categories)
     if not categories:
         raise ValueError(f"categories must name at least one of {', '.join(CATEGORIES)}, got ()")
@@ -447,7 +443,7 @@ def prompts_from_file(path, tokenizer, length: int = 2048) -> list[CalibrationPr
     """User prompts from a .jsonl file (one object per line with a "text" field, optional "name"/"category")
     or a .txt file (prompts separated by lines holding only '---'); each tokenized and cut to at most `length`
     tokens."""
-    _check_count("length", length, 1)
+    check_int("length", length, 1)
     path = Path(path)
     if path.suffix.lower() not in (".jsonl", ".txt"):
         raise ValueError(f"calibration prompt file {str(path)!r} has the extension {path.suffix!r}: "

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import contextlib
 import importlib.util
 import os
 import sys
@@ -22,12 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-_COMPILE_EVENTS = (
-    "/jax/core/compile/jaxpr_trace_duration",
-    "/jax/core/compile/jaxpr_to_mlir_module_duration",
-    "/jax/core/compile/backend_compile_duration",
-)
-
+from vdjax.compilation import enable_compile_cache, timed_run
 
 class UsageError(Exception):
     """A bad command-line argument: reported on one line, exit code 2."""
@@ -135,66 +129,6 @@ def _resolve_model(name_or_path: str) -> Path:
         raise UsageError(f"argument --model: {e}") from None
 
 
-def enable_compile_cache() -> Path | None:
-    """Keep compiled programs on disk (cache_dir()/jax-compile) so later runs skip most compilation.
-
-    VDJAX_COMPILE_CACHE=0 turns it off; a JAX_COMPILATION_CACHE_DIR the user set is kept.
-    """
-    import jax
-
-    from vdjax import registry
-
-    if os.environ.get("VDJAX_COMPILE_CACHE", "1") == "0":
-        return None
-    if jax.config.jax_compilation_cache_dir:  # the user chose one (JAX_COMPILATION_CACHE_DIR)
-        return Path(jax.config.jax_compilation_cache_dir)
-    folder = registry.cache_dir() / "jax-compile"
-    jax.config.update("jax_compilation_cache_dir", str(folder))
-    return folder
-
-
-# ---- timing ------------------------------------------------------------------------------------------------
-def _union_seconds(spans, lo: float, hi: float) -> float:
-    """Total length of the union of (start, end) spans clipped to [lo, hi]."""
-    total, reach = 0.0, lo
-    for start, end in sorted(spans):
-        start, end = max(start, reach), min(end, hi)
-        if end > start:
-            total, reach = total + end - start, end
-    return total
-
-
-@contextlib.contextmanager
-def _compile_spans():
-    """Collect the wall-clock (start, end) spans of JAX tracing, lowering and compiling inside the block."""
-    import jax.monitoring
-
-    spans: list[tuple[float, float]] = []
-
-    def listener(event, start, end, **_):
-        if event in _COMPILE_EVENTS:
-            spans.append((start, end))
-
-    jax.monitoring.register_event_time_span_listener(listener)
-    try:
-        yield spans
-    finally:
-        jax.monitoring.unregister_event_time_span_listener(listener)
-
-
-def timed_run(params, ids, policy, budget, **kwargs):
-    """`vdjax.run` plus warm timings: (generation, ttft_s, decode_s, compile_s), compile time taken out."""
-    import vdjax
-
-    with _compile_spans() as spans:
-        start = time.time()
-        gen = vdjax.run(params, ids, policy, budget, **kwargs)
-        end = time.time()
-    boundary = end - gen.decode_s  # prefill (and its compile) ends here, decoding begins
-    c_prefill, c_decode = _union_seconds(spans, start, boundary), _union_seconds(spans, boundary, end)
-    return (gen, max(gen.prefill_s - c_prefill, 0.0), max(gen.decode_s - c_decode, 0.0), c_prefill + c_decode)
-
-
 def cache_slots(gen) -> tuple[int, int, int]:
     """(min, max) valid slots per head over layers, rows and heads, and the slots per head N."""
     import numpy as np
@@ -287,28 +221,6 @@ def cmd_generate(args) -> int:
 
 
 # ---- demo --------------------------------------------------------------------------------------------------
-def default_policies(params=None) -> list[str]:
-    """dense, every registered policy, and valuediff with 4 protected sink positions; `hybrid` only when the
-    model has saved hybrid weights (`vdjax analyze`)."""
-    from vdjax.policies import POLICIES
-
-    names = ["dense"] + [name for name in POLICIES if name != "dense"] + ["valuediff+sinks4"]
-    return [n for n in names if n != "hybrid" or _has_hybrid_weights(params)]
-
-
-def _has_hybrid_weights(params) -> bool:
-    """Whether `policy="hybrid"` resolves for these params without explicit weights."""
-    from vdjax.hybrid import resolve_weights
-
-    if params is None:
-        return False
-    try:
-        resolve_weights(params, None)
-        return True
-    except ValueError:
-        return False
-
-
 def cmd_demo(args) -> int:
     """Run dense and every policy on one needle prompt at one budget; print a table of answers and costs."""
     names = [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else None
@@ -331,7 +243,9 @@ def cmd_demo(args) -> int:
 
     wall = time.perf_counter()
     params, tokenizer = vdjax.load(folder), vdjax.load_tokenizer(folder)
-    names = names or default_policies(params)
+    from vdjax.policies import default_policies
+
+    names = names or default_policies(params) + ["valuediff+sinks4"]
     dense = {name: check_policy(name, argument="--policies").is_dense for name in names}
     prompt = needle_prompt(tokenizer, args.length, depth=args.depth, seed=args.seed)
     budget = args.budget or max(64, 64 * round(prompt.n_tokens / 4 / 64))
@@ -468,6 +382,26 @@ def _budget_list(text: str) -> list[int] | list[float]:
     return out
 
 
+def _length_arg(text: str) -> int | str:
+    """argparse type: an integer >= 1, or `model` (taken from the model's context length)."""
+    if text == "model":
+        return text
+    return _int_at_least(1)(text)
+
+
+EVAL_NOTES = """\
+prompts: each sample is one user turn through the checkpoint's own chat template (RULER's scripts instead
+  wrap the task in fixed per-model strings from scripts/data/template.py and use no system prompt; a
+  tokenizer template that adds a default system prompt, e.g. SmolLM2's, therefore gives a slightly longer
+  prompt than RULER's), then the task's answer prefix; a tokenizer without a template (base models such as
+  Gemma3-270M) gets the plain text, as RULER's `base` template. LongBench: official prompts, middle-truncated
+  to --length, chat template except trec/triviaqa/samsum/lsht/lcc/repobench-p, as pred.py.
+rules: RULER --seed defaults to 42 (RULER's --random_seed; it fixes where qa's gold document sits);
+  lines record the vdjax commit and a fingerprint of checkpoint + tokenizer + chat template, and a rerun
+  into the same --out resumes only when they, the seed, block size, sampling and hyper-parameters agree.
+"""
+
+
 def _name_list(text: str) -> list[str]:
     """argparse type: a non-empty comma-separated list of names."""
     out = [t.strip() for t in text.split(",") if t.strip()]
@@ -476,22 +410,11 @@ def _name_list(text: str) -> list[str]:
     return out
 
 
-def cmd_eval(args) -> int:
-    """Run a benchmark under every policy and budget (resumable), then write and print the summary tables."""
+def _eval_module(args):
+    """The benchmark module of `vdjax eval`, with --tasks and --data-dir checked against it."""
     import importlib
     import inspect
 
-    from vdjax.eval.runner import run_dir
-    from vdjax.policies import POLICIES
-
-    names = args.policies or ["dense"] + [p for p in POLICIES if p not in ("dense", "hybrid")]
-    policies = [check_policy(name, argument="--policies") for name in names]
-    evicting = [p.name for p in policies if not p.is_dense]
-    if evicting and not args.budgets:
-        raise UsageError(f"argument --budgets: the evicting policies {evicting} need --budgets N[,N...]")
-    if args.budgets and isinstance(args.budgets[0], float) and not any(p.is_dense for p in policies):
-        raise UsageError(f"argument --budgets: fractions {args.budgets} of the average dense generation "
-                         f"length need 'dense' in --policies, got {[p.name for p in policies]}")
     try:
         module = importlib.import_module(f"vdjax.eval.{args.benchmark}")
     except ImportError as e:
@@ -506,12 +429,82 @@ def cmd_eval(args) -> int:
     data_param = inspect.signature(module.build).parameters.get("data_dir")
     if args.data_dir is None and data_param is not None and data_param.default is inspect.Parameter.empty:
         raise UsageError(f"argument --data-dir: benchmark {args.benchmark!r} needs its data folder")
+    return module
+
+
+def _eval_policies(args, folder: Path | None = None) -> list:
+    """The Policies of `vdjax eval` (default: every registered one the model in `folder` is calibrated for),
+    budgets checked against them."""
+    from vdjax.policies import POLICIES
+
+    if args.policies:
+        policies = [check_policy(name, argument="--policies") for name in args.policies]
+    else:
+        policies = [p for p in POLICIES.values() if p.calibration is None or p.calibrated(folder)]
+    evicting = [p.name for p in policies if not p.is_dense]
+    if evicting and not args.budgets:
+        raise UsageError(f"argument --budgets: the evicting policies {evicting} need --budgets N[,N...]")
+    if args.budgets and isinstance(args.budgets[0], float) and not any(p.is_dense for p in policies):
+        raise UsageError(f"argument --budgets: fractions {args.budgets} of the average dense generation "
+                         f"length need 'dense' in --policies, got {[p.name for p in policies]}")
+    return policies
+
+
+def _eval_length(args, module, params=None) -> int | None:
+    """--length: a number, `model` (the model's context minus 500 tokens, LongBench's model2maxlen rule; None
+    until `params` are given), or the benchmark's DEFAULT_LENGTH; LongBench has none and needs it."""
+    if args.length == "model":
+        return None if params is None else params.config.max_position_embeddings - 500
+    if args.length is not None:
+        return args.length
+    default = getattr(module, "DEFAULT_LENGTH", None)
+    if default is None:
+        raise UsageError(f"argument --length: benchmark {args.benchmark!r} needs --length N (prompt tokens; "
+                         "LongBench's official model2maxlen is 3500-31500 by model) or --length model "
+                         "(the model's max_position_embeddings - 500)")
+    return default
+
+
+def _eval_sampling(args, folder: Path) -> dict | None:
+    """Decoding of `vdjax eval`: greedy, or --sampling model (generation_config.json's do_sample,
+    temperature, top_p, top_k) with --temperature/--top-p/--top-k overrides."""
+    import json
+
+    settings = {}
+    if args.sampling == "model":
+        path = Path(folder) / "generation_config.json"
+        gen = json.loads(path.read_text()) if path.is_file() else {}
+        if not gen.get("do_sample"):
+            raise UsageError(f"argument --sampling: {path} does not ask for sampling (do_sample); give "
+                             "--temperature T (and --top-p/--top-k) or --sampling greedy")
+        settings = {k: gen[k] for k in ("temperature", "top_p", "top_k") if gen.get(k) is not None}
+    for key in ("temperature", "top_p", "top_k"):
+        if getattr(args, key) is not None:
+            settings[key] = getattr(args, key)
+    return settings or None
+
+
+def _template_kwargs(args) -> dict:
+    """Chat-template switches: --enable-thinking/--no-enable-thinking, --reasoning-effort, --template-arg."""
+    out = dict(args.template_arg)
+    if args.enable_thinking is not None:
+        out["enable_thinking"] = args.enable_thinking
+    if args.reasoning_effort is not None:
+        out["reasoning_effort"] = args.reasoning_effort
+    return out
+
+
+def cmd_eval(args) -> int:
+    """Run a benchmark under every policy and budget (resumable), then write and print the summary tables."""
+    policies = _eval_policies(args) if args.policies else None
+    module = _eval_module(args)
+    length = _eval_length(args, module)
+    if args.draws > 1 and args.sampling == "greedy" and not args.temperature:
+        raise UsageError(f"argument --draws: draws={args.draws} with greedy decoding repeats one generation; "
+                         "add --sampling model or --temperature T")
     mesh = _cli_mesh(args.mesh)
     folder = _resolve_model(args.model)
-    from vdjax.hybrid import FOLDER, METHODS
-
-    if not args.policies and any((Path(folder) / FOLDER / f"{m}.json").is_file() for m in METHODS):
-        policies.append(check_policy("hybrid"))  # the model has saved hybrid weights: the default runs it too
+    policies = policies or _eval_policies(args, folder)
     model_name = args.model if (args.model in _registered_models()) else Path(folder).resolve().name
     cache = enable_compile_cache()
 
@@ -522,27 +515,65 @@ def cmd_eval(args) -> int:
     from vdjax.eval.runner import evaluate
 
     params, tokenizer = vdjax.load(folder), vdjax.load_tokenizer(folder)
+    length = length or _eval_length(args, module, params)
+    sampling, template = _eval_sampling(args, folder), _template_kwargs(args)
     console = Console()
-    out = run_dir(args.out, args.benchmark, model_name, args.protocol, args.length)
     console.print(f"{args.benchmark} on [bold]{model_name}[/]: policies {[p.name for p in policies]}, "
-                  f"budgets {args.budgets or []}, length {args.length}, {args.samples} samples/task, "
-                  f"protocol {args.protocol}, block {args.block_size} -> {out}")
+                  f"budgets {args.budgets or []}, length {length}, {args.samples} samples/task x {args.draws} "
+                  f"draws, protocol {args.protocol}, block {args.block_size}, decoding {sampling or 'greedy'}"
+                  f"{', template ' + str(template) if template else ''} -> {args.out}")
     wall = time.perf_counter()
     try:
         pred = evaluate(params, tokenizer, module, model_name=model_name, tasks=args.tasks,
-                        policies=[p.name for p in policies], budgets=args.budgets or None, length=args.length,
+                        policies=[p.name for p in policies], budgets=args.budgets or None, length=length,
                         num_samples=args.samples, seed=args.seed, out_dir=args.out, protocol=args.protocol,
                         block_size=args.block_size, batch_size=args.batch_size, data_dir=args.data_dir,
-                        mesh=mesh)
-    except (ValueError, FileNotFoundError) as e:  # another seed's results in --out, missing data files, ...
+                        template_kwargs=template, sampling=sampling, draws=args.draws,
+                        allow_mixed=args.allow_mixed, mesh=mesh)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:  # another run's results, missing data, a lock
         raise UsageError(str(e)) from None
     summary = summarize(pred)
     for table in rich_tables(summary):
         console.print(table)
+    for warning in summary.warnings:
+        console.print(f"[yellow]warning:[/] {warning}")
     where = f"; compiled programs cached in {cache}" if cache else ""
     console.print(f"predictions {pred}\nsummary {summary.md_path}, {summary.csv_path}, {summary.png_path}\n"
                   f"wall time {time.perf_counter() - wall:.0f} s{where}")
     return 0
+
+
+def cmd_rescore(args) -> int:
+    """Recompute every score of stored predictions with today's metrics, then rewrite the summaries."""
+    from vdjax.eval.records import rescore
+    from vdjax.eval.report import summarize
+
+    source = Path(args.source)
+    files = [source] if source.is_file() else sorted(source.rglob("predictions.jsonl"))
+    if not files:
+        raise UsageError(f"argument SOURCE: {args.source!r} is neither a predictions.jsonl nor a folder of them")
+    for path in files:
+        try:
+            n, changed = rescore(path, task_metric=_task_metric(path))
+        except (ValueError, RuntimeError) as e:
+            raise UsageError(str(e)) from None
+        summary = summarize(path)
+        print(f"{path}: {n} lines, {changed} scores changed; summary {summary.md_path}")
+    return 0
+
+
+def _task_metric(path: Path):
+    """The benchmark's task -> metric rule for lines written before `metric` was recorded, or None."""
+    import importlib
+    import json
+
+    meta = path.parent / "run.json"
+    name = json.loads(meta.read_text()).get("benchmark") if meta.is_file() else None
+    try:
+        module = importlib.import_module(f"vdjax.eval.{name}") if name else None
+    except ImportError:
+        return None
+    return getattr(module, "task_metric", None)
 
 
 # ---- analyze -----------------------------------------------------------------------------------------------
@@ -647,26 +678,50 @@ def build_parser() -> argparse.ArgumentParser:
     from vdjax.eval.runner import BENCHMARKS
     from vdjax.eval.sample import PROTOCOLS
 
-    e = sub.add_parser("eval", help="benchmark policies x budgets (RULER, LongBench, MATH-500), resumable")
+    e = sub.add_parser(
+        "eval", help="benchmark policies x budgets (RULER, LongBench, MATH-500), resumable",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EVAL_NOTES)
     e.add_argument("benchmark", choices=BENCHMARKS)
     e.add_argument("--model", default="smollm2-135m", help="registered name or HF checkpoint folder")
     e.add_argument("--policies", type=_name_list,
-                   help="comma list (default: dense and every registered policy)")
+                   help="comma list (default: dense and every registered policy the model is calibrated for)")
     e.add_argument("--budgets", type=_budget_list,
                    help="comma list of cache budgets, e.g. 256,512, or of fractions of the average dense "
                         "generation length, e.g. 0.25,0.5 (dense runs first; MATH-500 protocol)")
-    e.add_argument("--length", type=positive, default=4096, help="context length in tokens")
+    e.add_argument("--length", type=_length_arg,
+                   help="tokens: RULER's whole input (default 4096); LongBench's prompt after middle truncation "
+                        "(no default: give it, or `model` = max_position_embeddings - 500, the model2maxlen "
+                        "rule); MATH-500's dense max_new_tokens (default 16384)")
     e.add_argument("--samples", type=positive, default=20, help="samples per task")
+    e.add_argument("--draws", type=positive, default=1,
+                   help="generations per sample (MATH-500's k; needs sampling)")
+    e.add_argument("--sampling", choices=("greedy", "model"), default="greedy",
+                   help="greedy, or the checkpoint's generation_config.json sampling (temperature, top_p, top_k)")
+    e.add_argument("--temperature", type=_float_in(0, float("inf")), help="overrides --sampling's")
+    e.add_argument("--top-p", type=_float_in(0, 1, lo_open=True), help="overrides --sampling's")
+    e.add_argument("--top-k", type=_int_at_least(0), help="overrides --sampling's")
+    e.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=None,
+                   help="chat-template switch (Qwen3 / Qwen3.5; the paper runs Qwen3.5 with --no-enable-thinking)")
+    e.add_argument("--reasoning-effort", choices=("low", "medium", "high"),
+                   help="GPT-OSS harmony chat template (the paper runs high)")
+    e.add_argument("--template-arg", type=_policy_arg, action="append", default=[], metavar="KEY=VALUE",
+                   help="any other chat-template keyword (repeatable)")
     e.add_argument("--out", default="results", help="results folder (a rerun resumes what is there)")
     e.add_argument("--tasks", type=_name_list, help="comma list (default: every task of the benchmark)")
     e.add_argument("--protocol", choices=PROTOCOLS, default="paper")
     e.add_argument("--block-size", type=positive, default=128)
     e.add_argument("--batch-size", type=positive, default=1, help="samples per vdjax.run call")
     e.add_argument("--data-dir", help="benchmark data folder (LongBench, MATH-500)")
-    e.add_argument("--seed", type=_int_at_least(0), default=0)
+    e.add_argument("--seed", type=_int_at_least(0), help="default: the benchmark's (RULER's 42), else 0")
+    e.add_argument("--allow-mixed", action="store_true",
+                   help="add to a results file made with another checkpoint / tokenizer / chat template")
     e.add_argument("--mesh", type=_mesh_shape, metavar="DATAxMODEL",
                    help="device mesh, e.g. 4x1: each --batch-size batch split over 4 devices")
     e.set_defaults(func=cmd_eval)
+
+    r = sub.add_parser("rescore", help="recompute the scores of stored predictions (after a metric fix)")
+    r.add_argument("source", metavar="SOURCE", help="a predictions.jsonl or a folder of them")
+    r.set_defaults(func=cmd_rescore)
 
     a = sub.add_parser("analyze", help="KV-geometry diagnostics (σV/σK, sinks, BOS, Jaccard) + hybrid weights")
     a.add_argument("--model", default="smollm2-135m", help="registered name or HF checkpoint folder")

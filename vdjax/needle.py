@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import random
 
+from vdjax.prompt import has_chat_template
+
 NOISE = (
     "The grass is green.",
     "The sky is blue.",
@@ -84,11 +86,6 @@ class NeedlePrompt:
     answer: str
     depth: float
     n_tokens: int
-
-
-def has_chat_template(tokenizer) -> bool:
-    """True when the tokenizer carries a chat template."""
-    return bool(getattr(tokenizer, "chat_template", None))
 
 
 def format_prompt(

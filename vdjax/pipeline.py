@@ -23,10 +23,11 @@ import numpy as np
 
 from vdjax.cache import (KVCache, LayerCache, block_destinations, keep_mask, scatter_slots, select_slots,
                          single_destination)
+from vdjax.checks import check_int
 from vdjax.models import transformer as tf
 from vdjax.models.params import Params
 from vdjax.policies import AttnInfo, Policy, get_policy
-from vdjax.sampling import check_sampling, sample
+from vdjax.sampling import check_sampling, is_row_keys, sample, split
 from vdjax.sharding import batch_sharding, check_mesh, constrain_cache, shard_params
 
 def bucket(n: int) -> int:
@@ -203,7 +204,7 @@ def _decode(params, cache, logits, lengths, key, eos, pad, max_new, *, policy, h
     def no_eos_before_min(lg, i):
         return jnp.where(is_eos & (i < min_new), -jnp.inf, lg) if min_new else lg
 
-    key, sub = jax.random.split(key)
+    key, sub = split(key)
     first = sample(no_eos_before_min(logits, 0), sub, temperature, top_k, top_p)
     out = jnp.full((b, max_out), pad, jnp.int32).at[:, 0].set(first)
     done = jnp.isin(first, eos)
@@ -219,7 +220,7 @@ def _decode(params, cache, logits, lengths, key, eos, pad, max_new, *, policy, h
         q_pos = (lengths + i - 1)[:, None]  # [B, 1] the fed token's position
         x, cache = _run_layers(params, policy, hyper, cache, tf.embed(params, tok[:, None]), q_pos)
         cache = constrain_cache(cache, mesh)
-        key, sub = jax.random.split(key)
+        key, sub = split(key)
         nxt = sample(no_eos_before_min(tf.final_logits(params, x[:, 0]), i), sub, temperature, top_k, top_p)
         nxt = jnp.where(done, pad, nxt)
         return i + 1, cache, nxt, done | jnp.isin(nxt, eos), out.at[:, i].set(nxt), key
@@ -273,13 +274,6 @@ def prepare_ids(params: Params, ids: Any, attention_mask: Any = None) -> tuple[n
     return out, lengths
 
 
-def _check_int(name: str, value: Any, minimum: int = 1) -> int:
-    """value as an int >= minimum, or a ValueError naming the argument."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
-
-
 @dataclasses.dataclass
 class Plan:
     """Static shapes of one call: padded tokens, block size S, block count, cache slots N."""
@@ -298,7 +292,7 @@ def plan(params, ids, policy, budget, block_size, extra_tokens=0, attention_mask
         raise TypeError(f"params must be vdjax Params (from vdjax.load), got {type(params).__name__}")
     pol = get_policy(policy)
     hyper = pol.bind_hyper(params, pol.hyper(**policy_kwargs))
-    block_size = _check_int("block_size", block_size)
+    block_size = check_int("block_size", block_size)
     tokens, lengths = prepare_ids(params, ids, attention_mask)
     t = int(lengths.max())
     if block_size >= t:
@@ -312,7 +306,7 @@ def plan(params, ids, policy, budget, block_size, extra_tokens=0, attention_mask
     else:
         if budget is None:
             raise ValueError(f"policy {pol.name!r} needs budget=N (cache slots per head); only 'dense' does not")
-        slots = _check_int("budget", budget)
+        slots = check_int("budget", budget)
     return Plan(padded, lengths, block, slots, pol, hyper)
 
 
@@ -433,8 +427,8 @@ def run(
     `mesh` (a jax Mesh with axes "data" and "model", see `vdjax.sharding`): rows split over "data" (padded
     to a multiple of its size with dummy rows, dropped again), heads / MLP width over "model".
     """
-    max_new = _check_int("max_new_tokens", max_new_tokens)
-    min_new = _check_int("min_new_tokens", min_new_tokens, 0)
+    max_new = check_int("max_new_tokens", max_new_tokens)
+    min_new = check_int("min_new_tokens", min_new_tokens, 0)
     if min_new > max_new:
         raise ValueError(f"min_new_tokens={min_new} must be <= max_new_tokens={max_new}")
     check_sampling(temperature, top_k, top_p, key)
@@ -449,7 +443,13 @@ def run(
     eos = jnp.asarray(np.atleast_1d(np.asarray(eos if eos is not None else [], np.int32)).reshape(-1), jnp.int32)
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else (int(eos[0]) if eos.size else 0)
     key = jax.random.key(0) if key is None else key
+    if is_row_keys(key):
+        if key.shape[0] != p.tokens.shape[0]:
+            raise ValueError(f"key holds {key.shape[0]} row keys for {p.tokens.shape[0]} rows; give one key, "
+                             "or one per row (jax.random.split(key, rows))")
     x = place(params, p.tokens, p.lengths, mesh)
+    if is_row_keys(key) and x.live is not None:  # the mesh's padding rows: copies of row 0's key
+        key = jnp.concatenate([key, jnp.repeat(key[:1], x.tokens.shape[0] - key.shape[0], axis=0)])
     params, lengths = x.params, x.lengths
     t0 = time.perf_counter()
     cache, logits = _prefill(params, x.tokens, lengths, policy=p.policy, hyper=p.hyper, slots=p.slots,
@@ -491,7 +491,8 @@ def generate(
 ) -> np.ndarray:
     """Generate up to `max_new_tokens` tokens [batch, new] with block prefill + per-step eviction to `budget`.
 
-    Keywords: attention_mask (left padding), temperature/top_k/top_p with an explicit `key`, eos_token_id,
+    Keywords: attention_mask (left padding), temperature/top_k/top_p with an explicit `key` (one key, or one
+    per row: `jax.random.split(key, batch)`), eos_token_id,
     min_new_tokens (EOS masked before), question (question-agnostic protocol, see `run`), mesh (several
     devices, see `vdjax.sharding`) and the policy's hyper-parameters (e.g. n_sink=4 for streaming).
     """

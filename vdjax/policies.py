@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import flax.struct
@@ -130,24 +131,48 @@ def tova(k, v, attn, pos, *, per_kv_head: bool = False, **_):
     return jnp.broadcast_to(jnp.mean(last, axis=(1, 2))[:, None], pos.shape)
 
 
-def _maxpool_by_position(scores: jax.Array, pos: jax.Array, kernel: int) -> jax.Array:
-    """Max-pool scores [B, K, C] with `kernel` (stride 1, same length) along candidates sorted by position."""
+def _pool_by_position(scores: jax.Array, pos: jax.Array, kernel: int, pooling: str = "max") -> jax.Array:
+    """Pool scores [B, K, C] along candidates sorted by position (stride 1, same length, zero/-inf padded).
+
+    "max": max-pooling; "avg": sum over the window / kernel, padding counted (torch's avg_pool1d with
+    padding=kernel//2, as SnapKV's and kvpress's code). Invalid candidates sort last and pool as padding.
+    """
     order = jnp.argsort(jnp.where(pos >= 0, pos, jnp.iinfo(jnp.int32).max), axis=-1)  # invalid last
-    sorted_scores = jnp.take_along_axis(jnp.where(pos >= 0, scores, -_INF), order, axis=-1)
+    pad_value = -_INF if pooling == "max" else 0.0
+    sorted_scores = jnp.take_along_axis(jnp.where(pos >= 0, scores, pad_value), order, axis=-1)
     pad = kernel // 2
-    pooled = jax.lax.reduce_window(
-        sorted_scores, -_INF, jax.lax.max, (1, 1, kernel), (1, 1, 1), ((0, 0), (0, 0), (pad, kernel - 1 - pad))
-    )
+    window = ((0, 0), (0, 0), (pad, kernel - 1 - pad))
+    if pooling == "max":
+        pooled = jax.lax.reduce_window(sorted_scores, -_INF, jax.lax.max, (1, 1, kernel), (1, 1, 1), window)
+    else:
+        pooled = jax.lax.reduce_window(sorted_scores, 0.0, jax.lax.add, (1, 1, kernel), (1, 1, 1), window) / kernel
     inverse = jnp.argsort(order, axis=-1)
     return jnp.take_along_axis(pooled, inverse, axis=-1)
 
 
-def snapkv(k, v, attn, pos, *, window: int = 32, kernel: int = 7, **_):
-    """SnapKV: attention of the last `window` queries summed, GQA-mean, max-pooled; the window is kept."""
+SNAPKV_KERNELS = {"max": 7, "avg": 5}  # kernel=None: max-pooling over 7 (vdjax's default), avg over 5 (SnapKV)
+
+
+def snapkv(k, v, attn, pos, *, window: int = 32, kernel: int | None = None, pooling: str = "max", **_):
+    """SnapKV: attention of the last `window` queries summed, GQA-mean, pooled along positions (max over
+    `kernel` = 7, or avg over 5 as SnapKV's and kvpress's code); the window is always kept."""
+    if pooling not in SNAPKV_KERNELS:
+        raise ValueError(f"snapkv pooling must be one of {sorted(SNAPKV_KERNELS)}, got {pooling!r}")
+    kernel = SNAPKV_KERNELS[pooling] if kernel is None else kernel
     in_window = (attn.q_pos >= 0) & (attn.q_pos > attn.last_pos[:, None] - window)  # [B, S]
     votes = jnp.sum(attn.probs * in_window[:, None, None, :, None], axis=3)  # [B, K, G, C]
-    pooled = _maxpool_by_position(jnp.mean(votes, axis=2), pos, kernel)
+    pooled = _pool_by_position(jnp.mean(votes, axis=2), pos, kernel, pooling)
     return jnp.where(_recent(pos, attn, window), _INF, pooled)
+
+
+def _bind_snapkv(params, hyper):
+    """kernel=None -> the pooling's own kernel (7 for max, 5 for avg), so results record the number."""
+    hyper = dict(hyper)
+    if hyper.get("pooling") not in SNAPKV_KERNELS:
+        raise ValueError(f"snapkv pooling must be one of {sorted(SNAPKV_KERNELS)}, got {hyper.get('pooling')!r}")
+    if hyper.get("kernel") is None:
+        hyper["kernel"] = SNAPKV_KERNELS[hyper["pooling"]]
+    return tuple(sorted(hyper.items()))
 
 
 def h2o(k, v, attn, pos, *, budget: int, n_recent: int | None = None, **_):
@@ -184,6 +209,13 @@ def hybrid(k, v, attn, pos, *, weights=None, **_):
     return mix(vd, kd, valid_mask(pos), w)
 
 
+def _hybrid_calibrated(folder) -> bool:
+    """Whether the checkpoint folder holds saved hybrid weights (`vdjax analyze --model M [--fit]`)."""
+    from vdjax.hybrid import FOLDER, METHODS
+
+    return folder is not None and any((Path(folder) / FOLDER / f"{m}.json").is_file() for m in METHODS)
+
+
 def _bind_hybrid(params, hyper):
     """Resolve hybrid's `weights` keyword (None, "fitted", "geometry", a JSON path, numbers) against the model."""
     from vdjax.hybrid import resolve_weights
@@ -201,9 +233,15 @@ class Policy:
     name: str
     score: Callable[..., jax.Array] | None  # None = dense (no eviction)
     defaults: tuple[tuple[str, Any], ...] = ()
-    needs_attention: bool = False  # reads attn.probs (the pipeline then keeps them)
     accumulates: bool = False  # reads attn.acc (accumulated attention carried in the cache)
     bind: Callable[..., tuple] | None = None  # (params, hyper) -> hyper: resolves model-dependent keywords
+    # (checkpoint folder) -> whether the model has the calibration data the policy needs by default
+    # (e.g. hybrid's fitted weights); None: the policy needs none
+    calibration: Callable[[Any], bool] | None = None
+
+    def calibrated(self, folder) -> bool:
+        """Whether the model in `folder` has what this policy needs to run with its defaults."""
+        return self.calibration is None or bool(self.calibration(folder))
 
     def bind_hyper(self, params, hyper: tuple) -> tuple:
         """hyper with model-dependent keywords resolved for `params` (unchanged for most policies)."""
@@ -248,13 +286,21 @@ for _p in (
     Policy("keynorm", keynorm),
     Policy("manifoldkv", manifoldkv),
     Policy("streaming", streaming, (("n_sink", 4),)),
-    Policy("tova", tova, (("per_kv_head", False),), needs_attention=True),
-    Policy("snapkv", snapkv, (("kernel", 7), ("window", 32)), needs_attention=True),
-    Policy("h2o", h2o, (("n_recent", None),), needs_attention=True, accumulates=True),
-    Policy("fastcaote", fastcaote, needs_attention=True),
-    Policy("hybrid", hybrid, (("weights", None),), bind=_bind_hybrid),
+    Policy("tova", tova, (("per_kv_head", False),)),
+    Policy("snapkv", snapkv, (("kernel", None), ("pooling", "max"), ("window", 32)),
+           bind=_bind_snapkv),
+    Policy("h2o", h2o, (("n_recent", None),), accumulates=True),
+    Policy("fastcaote", fastcaote),
+    Policy("hybrid", hybrid, (("weights", None),), bind=_bind_hybrid, calibration=_hybrid_calibrated),
 ):
     register(_p)
+
+
+def default_policies(model=None) -> list[str]:
+    """Every registered policy (dense first) that the model can run with its defaults: those that need
+    calibration data (hybrid's saved weights) only when `model` (Params or a checkpoint folder) has it."""
+    folder = getattr(model, "source", model)
+    return [name for name, p in POLICIES.items() if p.calibration is None or (folder and p.calibrated(folder))]
 
 
 # ---- composition ----------------------------------------------------------------------------------------
@@ -329,7 +375,6 @@ def combine(weights: Mapping[Policy | str, float], name: str | None = None) -> P
         name or "+".join(f"{w:g}*{p.name}" for p, w in parts),
         _Combined(parts),
         defaults,
-        needs_attention=any(p.needs_attention for p, _ in parts),
         accumulates=any(p.accumulates for p, _ in parts),
     )
 

@@ -18,8 +18,28 @@ def check_sampling(temperature: float, top_k: int, top_p: float, key) -> None:
         raise ValueError("temperature > 0 samples and needs an explicit key, e.g. key=jax.random.key(0)")
 
 
+def is_row_keys(key) -> bool:
+    """True for one PRNG key per row ([B] typed keys or [B, 2] raw uint32 keys), False for a single key."""
+    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return key.ndim == 1
+    return key.ndim == 2
+
+
+def split(key: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(next key, subkey to use now) of a single key or of every row's key."""
+    if is_row_keys(key):
+        pairs = jax.vmap(jax.random.split)(key)  # [B, 2]
+        return pairs[:, 0], pairs[:, 1]
+    key, sub = jax.random.split(key)
+    return key, sub
+
+
 def sample(logits: jax.Array, key: jax.Array, temperature: float, top_k: int, top_p: float) -> jax.Array:
-    """Pick next tokens [B] from fp32 logits [B, V]; temperature 0 is greedy (key unused)."""
+    """Pick next tokens [B] from fp32 logits [B, V]; temperature 0 is greedy (key unused).
+
+    `key` is one key for the batch, or one key per row ([B] keys: each row's draws are its own, whatever
+    else shares the batch).
+    """
     if temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits.astype(jnp.float32) / temperature
@@ -32,4 +52,6 @@ def sample(logits: jax.Array, key: jax.Array, temperature: float, top_k: int, to
         before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
         cutoff = jnp.min(jnp.where(before < top_p, sorted_logits, jnp.inf), axis=-1, keepdims=True)
         logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    if is_row_keys(key):
+        return jax.vmap(lambda k, lg: jax.random.categorical(k, lg))(key, logits).astype(jnp.int32)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)

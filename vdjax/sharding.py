@@ -27,6 +27,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from vdjax.checks import check_int
+
 DATA, MODEL = "data", "model"
 AXES = (DATA, MODEL)
 
@@ -44,14 +46,10 @@ def make_mesh(data: int | None = None, model: int = 1, devices: Sequence[Any] | 
     n = len(devices)
     if n == 0:
         raise ValueError("devices must hold at least one device")
-    if isinstance(model, bool) or not isinstance(model, (int, np.integer)) or model < 1:
-        raise ValueError(f"model must be an integer >= 1, got {model!r}")
+    model = check_int("model", model)
     if n % model:
         raise ValueError(f"model={model} does not divide the device count {n}")
-    if data is None:
-        data = n // model
-    elif isinstance(data, bool) or not isinstance(data, (int, np.integer)) or data < 1:
-        raise ValueError(f"data must be an integer >= 1 or None, got {data!r}")
+    data = n // model if data is None else check_int("data", data, optional=True)
     if data * model > n or n % (data * model):
         raise ValueError(f"data={data} x model={model} = {data * model} devices does not divide the device "
                          f"count {n}")

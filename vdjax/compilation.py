@@ -1,0 +1,110 @@
+"""Compile-time helpers: the persistent compile cache, warm timings with compilation taken out, program counts.
+
+    enable_compile_cache()                        # compiled programs kept on disk (cache_dir()/jax-compile)
+    gen, ttft_s, decode_s, compile_s = timed_run(params, ids, "valuediff", 256)
+    with count_compiles() as n: vdjax.generate(...)   # n.value: XLA programs compiled inside the block
+
+Every (policy, budget, length bucket) compiles its own prefill and decode programs on first use; JAX reports
+the time it spends tracing, lowering and compiling through `jax.monitoring`, which is how the compile time is
+measured apart from the warm time to first token and decode rate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+from pathlib import Path
+
+COMPILE_EVENTS = (
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration",
+)
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+
+
+def enable_compile_cache(folder: str | os.PathLike | None = None) -> Path | None:
+    """Keep compiled programs on disk (default cache_dir()/jax-compile) so later runs skip most compilation.
+
+    VDJAX_COMPILE_CACHE=0 turns it off; a JAX_COMPILATION_CACHE_DIR the user set is kept. Returns the folder
+    in use (None when off).
+    """
+    import jax
+
+    from vdjax import registry
+
+    if os.environ.get("VDJAX_COMPILE_CACHE", "1") == "0":
+        return None
+    if jax.config.jax_compilation_cache_dir:  # the user (or an earlier call) chose one
+        return Path(jax.config.jax_compilation_cache_dir)
+    folder = Path(folder) if folder is not None else registry.cache_dir() / "jax-compile"
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+    return folder
+
+
+def union_seconds(spans, lo: float, hi: float) -> float:
+    """Total length of the union of (start, end) spans clipped to [lo, hi]."""
+    total, reach = 0.0, lo
+    for start, end in sorted(spans):
+        start, end = max(start, reach), min(end, hi)
+        if end > start:
+            total, reach = total + end - start, end
+    return total
+
+
+@contextlib.contextmanager
+def compile_spans():
+    """Collect the wall-clock (start, end) spans of JAX tracing, lowering and compiling inside the block."""
+    import jax.monitoring
+
+    spans: list[tuple[float, float]] = []
+
+    def listener(event, start, end, **_):
+        if event in COMPILE_EVENTS:
+            spans.append((start, end))
+
+    jax.monitoring.register_event_time_span_listener(listener)
+    try:
+        yield spans
+    finally:
+        jax.monitoring.unregister_event_time_span_listener(listener)
+
+
+@dataclasses.dataclass
+class Count:
+    """A counter filled by `count_compiles`."""
+
+    value: int = 0
+
+
+@contextlib.contextmanager
+def count_compiles():
+    """Count the XLA programs compiled (or loaded from the persistent cache) inside the block: `n.value`."""
+    import jax.monitoring
+
+    count = Count()
+
+    def listener(event, duration, **_):
+        if event == BACKEND_COMPILE:
+            count.value += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield count
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def timed_run(params, ids, policy, budget, **kwargs):
+    """`vdjax.run` plus warm timings: (generation, ttft_s, decode_s, compile_s), compile time taken out."""
+    import vdjax
+
+    with compile_spans() as spans:
+        start = time.time()
+        gen = vdjax.run(params, ids, policy, budget, **kwargs)
+        end = time.time()
+    boundary = end - gen.decode_s  # prefill (and its compile) ends here, decoding begins
+    c_prefill, c_decode = union_seconds(spans, start, boundary), union_seconds(spans, boundary, end)
+    return (gen, max(gen.prefill_s - c_prefill, 0.0), max(gen.decode_s - c_decode, 0.0), c_prefill + c_decode)
