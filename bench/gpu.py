@@ -36,32 +36,13 @@ PAPER_TTFT_128K_H100_S = 61.5
 
 
 def random_params(shape: dict, seed: int = 0):
-    """Random bf16 Params of `shape`, created on the default device (no host copy of the weights)."""
-    import jax
+    """Random bf16 Params of `shape` (every weight its family spec declares), drawn on the default device."""
     import jax.numpy as jnp
 
     from vdjax.models.config import ModelConfig
-    from vdjax.models.params import Params
+    from vdjax.models.spec import init_params
 
-    cfg = ModelConfig(**shape)
-    h, nq, kv, d, f, v = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
-                          cfg.vocab_size)
-    key = iter(jax.random.split(jax.random.key(seed), 16 * cfg.num_layers + 4))
-
-    # one jitted sampler for every weight: a program per distinct shape, shared by all layers
-    normal = jax.jit(lambda k, s: (jax.random.normal(k, s, jnp.float32) * 0.02).astype(jnp.bfloat16),
-                     static_argnums=1)
-
-    def w(*s):
-        return normal(next(key), s)
-
-    def ones(n):
-        return jnp.ones((n,), jnp.bfloat16)
-
-    layers = tuple(dict(attn_norm=ones(h), mlp_norm=ones(h), wq=w(h, nq, d), wk=w(h, kv, d), wv=w(h, kv, d),
-                        wo=w(nq, d, h), w_gate=w(h, f), w_up=w(h, f), w_down=w(f, h), q_norm=ones(d),
-                        k_norm=ones(d)) for _ in range(cfg.num_layers))
-    return Params(weights=dict(embed=w(v, h), final_norm=ones(h), layers=layers), config=cfg)
+    return init_params(ModelConfig(**shape), seed, scale=0.02, dtype=jnp.bfloat16, on_device=True)
 
 
 def bandwidth_gbs(nbytes: int = 2 << 30) -> float:

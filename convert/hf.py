@@ -1,14 +1,11 @@
-"""HF checkpoint folder (config.json + *.safetensors) -> Params, driven by one key table per architecture.
+"""HF checkpoint folder (config.json + *.safetensors) -> Params, driven by the family spec.
 
-A table row is `(pattern, target, transform)`:
-  - `pattern` is an HF tensor name, `{i}` standing for the layer (`model.layers.{i}.mlp.up_proj.weight`);
-  - `target` is a path in the weights dict (`"layers.w_up"`, one array per layer in `weights["layers"][i]`, or `"embed"`), or
-    None for keys that carry no weights and are skipped on purpose (`rotary_emb.inv_freq`);
-  - `transform(w, cfg)` maps the HF tensor to vdjax's layout. It only uses `.T` / `.reshape`, so it runs on
-    NumPy arrays and, through `jax.eval_shape`, on shapes alone.
-Every shape is checked against `weight_shapes(cfg)` from the headers alone, before any tensor is read; all
-missing keys, unexpected keys and shape mismatches are reported together in one ValueError.
-A new family is new rows (and a `weight_shapes` switch), not a new code path.
+Every weight of a family is declared once in `vdjax/models/families.py` (name, shape, HF key, transform); the
+converter derives from that declaration the HF key patterns of the checkpoint's layout (`{i}` = the layer),
+what the config expects (`spec.expected`), and checks every shape from the safetensors headers alone, before
+any tensor is read: all missing keys, unexpected keys and shape mismatches are reported together in one
+ValueError. A transform only uses `.T` / `.reshape`, so it runs on NumPy arrays and, through
+`jax.eval_shape`, on shapes alone.
 """
 
 from __future__ import annotations
@@ -16,168 +13,33 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
+from vdjax.models import spec
 from vdjax.models.config import ModelConfig, from_hf_config, resolve_architecture
 from vdjax.models.params import Params
-
-Transform = Callable[[Any, ModelConfig], Any]
-Row = tuple[str, Optional[str], Optional[Transform]]  # (HF key pattern, weights path, transform)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
 
-# ---- transforms: HF tensor -> vdjax layout (H hidden, Nq/K query/kv heads, D head_dim, F mlp width) ----
-def keep(w, cfg: ModelConfig):
-    """Unchanged ([V, H] embeddings, [H] norms)."""
-    return w
-
-
-def transpose(w, cfg: ModelConfig):
-    """HF Linear [out, in] -> [in, out]."""
-    return w.T
-
-
-def heads_in(w, cfg: ModelConfig):
-    """q/k/v_proj [N*D, H] -> [H, N, D]."""
-    return w.T.reshape(cfg.hidden_size, -1, cfg.head_dim)
-
-
-def heads_out(w, cfg: ModelConfig):
-    """o_proj [H, Nq*D] -> [Nq, D, H]."""
-    return w.T.reshape(-1, cfg.head_dim, cfg.hidden_size)
-
-
-def heads_bias(b, cfg: ModelConfig):
-    """q/k/v_proj bias [N*D] -> [N, D]."""
-    return b.reshape(-1, cfg.head_dim)
-
-
-# ---- tables ----
-def _layer_rows(p: str) -> list[Row]:
-    """Rows shared by Llama-style decoder layers under the model prefix `p`."""
-    layer = p + "layers.{i}."
-    return [
-        (layer + "input_layernorm.weight", "layers.attn_norm", keep),
-        (layer + "self_attn.q_proj.weight", "layers.wq", heads_in),
-        (layer + "self_attn.k_proj.weight", "layers.wk", heads_in),
-        (layer + "self_attn.v_proj.weight", "layers.wv", heads_in),
-        (layer + "self_attn.o_proj.weight", "layers.wo", heads_out),
-        (layer + "mlp.gate_proj.weight", "layers.w_gate", transpose),
-        (layer + "mlp.up_proj.weight", "layers.w_up", transpose),
-        (layer + "mlp.down_proj.weight", "layers.w_down", transpose),
-        (layer + "self_attn.rotary_emb.inv_freq", None, None),  # older checkpoints; recomputed from config
-    ]
-
-
-def _model_rows(p: str) -> list[Row]:
-    """Embedding, final norm, LM head and weightless keys around the layers."""
-    return [
-        (p + "embed_tokens.weight", "embed", keep),
-        (p + "norm.weight", "final_norm", keep),
-        ("lm_head.weight", "lm_head", keep),  # [V, H] as is; dropped (after an equality check) when tied
-        (p + "rotary_emb.inv_freq", None, None),
-        (p + "rotary_emb.original_inv_freq", None, None),
-    ]
-
-
-def _qkv_bias_rows(p: str) -> list[Row]:
-    """q/k/v projection biases (Qwen2/2.5) and the o_proj bias [H] (Llama/Qwen3 with attention_bias)."""
-    return [(p + f"layers.{{i}}.self_attn.{n}_proj.bias", f"layers.b{n}", heads_bias) for n in "qkv"] + [
-        (p + "layers.{i}.self_attn.o_proj.bias", "layers.bo", keep)]
-
-
-def _qk_norm_rows(p: str) -> list[Row]:
-    """Per-head RMSNorm weights [D] on q and k (Qwen3, Gemma3)."""
-    return [(p + f"layers.{{i}}.self_attn.{n}_norm.weight", f"layers.{n}_norm", keep) for n in "qk"]
-
-
-def _gemma_norm_rows(p: str) -> list[Row]:
-    """Gemma's four norms: pre/post attention, pre/post MLP (post_attention_layernorm is *post*-attention)."""
-    layer = p + "layers.{i}."
-    return [
-        (layer + "post_attention_layernorm.weight", "layers.post_attn_norm", keep),
-        (layer + "pre_feedforward_layernorm.weight", "layers.mlp_norm", keep),
-        (layer + "post_feedforward_layernorm.weight", "layers.post_mlp_norm", keep),
-    ]
-
-
-LLAMA_ROWS: list[Row] = _model_rows("model.") + _layer_rows("model.") + _qkv_bias_rows("model.") + [
-    ("model.layers.{i}.post_attention_layernorm.weight", "layers.mlp_norm", keep),
-]
-QWEN_ROWS: list[Row] = LLAMA_ROWS + _qk_norm_rows("model.")  # rows a config lacks
-GEMMA_ROWS: list[Row] = (_model_rows("model.") + _layer_rows("model.") + _gemma_norm_rows("model.")
-                         + _qk_norm_rows("model."))
-
-
-def _gemma3_mm_rows(p: str) -> list[Row]:
-    """The multimodal Gemma3 checkpoint: the text model's rows under prefix `p`; the vision tower and the
-    projector are read by nobody here (`{*}` matches any rest of the key)."""
-    head = "language_model.lm_head.weight" if p.startswith("language_model.") else "lm_head.weight"
-    rows = _model_rows(p) + _layer_rows(p) + _gemma_norm_rows(p) + _qk_norm_rows(p)
-    rows = [(head if key == "lm_head.weight" else key, t, fn) for key, t, fn in rows]
-    top = "" if p.startswith("language_model.") else "model."
-    return rows + [(top + "vision_tower.{*}", None, None), (top + "multi_modal_projector.{*}", None, None)]
-
-
-# Keyed by config.json `architectures[0]`; a row whose target the config does not ask for (e.g. biases of a
-# Qwen3 without attention_bias) makes its key "unexpected" if the file has it, "missing" never.
-TABLES: dict[str, list[Row] | tuple[list[Row], ...]] = {
-    "LlamaForCausalLM": LLAMA_ROWS,
-    "Qwen2ForCausalLM": QWEN_ROWS,
-    "Qwen3ForCausalLM": QWEN_ROWS,
-    "Gemma2ForCausalLM": GEMMA_ROWS,
-    "Gemma3ForCausalLM": GEMMA_ROWS,
-    # transformers >= 4.52 in memory / older saves: model.language_model.*; transformers 5 (and the Hub's
-    # google/gemma-3-*-it) write language_model.model.*: the rows that match more of the file's keys win.
-    "Gemma3ForConditionalGeneration": (_gemma3_mm_rows("model.language_model."),
-                                       _gemma3_mm_rows("language_model.model.")),
-}
-
-
-def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The skeleton: every weight path -> its shape (layer weights per layer, without the leading [L])."""
-    h, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    nq, nk = cfg.num_heads, cfg.num_kv_heads
-    shapes = {
-        "embed": (cfg.vocab_size, h),
-        "final_norm": (h,),
-        "layers.attn_norm": (h,),
-        "layers.wq": (h, nq, d),
-        "layers.wk": (h, nk, d),
-        "layers.wv": (h, nk, d),
-        "layers.wo": (nq, d, h),
-        "layers.mlp_norm": (h,),
-        "layers.w_gate": (h, f),
-        "layers.w_up": (h, f),
-        "layers.w_down": (f, h),
-    }
-    if not cfg.tie_embeddings:
-        shapes["lm_head"] = (cfg.vocab_size, h)
-    if cfg.qkv_bias:
-        shapes.update({"layers.bq": (nq, d), "layers.bk": (nk, d), "layers.bv": (nk, d)})
-    if cfg.o_bias:
-        shapes["layers.bo"] = (h,)
-    if cfg.qk_norm:
-        shapes.update({"layers.q_norm": (d,), "layers.k_norm": (d,)})
-    if cfg.post_norms:
-        shapes.update({"layers.post_attn_norm": (h,), "layers.post_mlp_norm": (h,)})
-    return shapes
-
-
 # ---- reading ----
-def _compile(rows: list[Row]) -> list[tuple[re.Pattern, Row]]:
-    """Each row's pattern as an anchored regex with the layer index captured."""
+def _pattern(key: str) -> re.Pattern:
+    """An HF key pattern as an anchored regex, the layer index captured (`{i}`), `{*}` matching anything."""
     layer, rest = re.escape("{i}"), re.escape("{*}")
-    return [(re.compile(re.escape(p).replace(layer, r"(\d+)").replace(rest, r".*") + r"\Z"), (p, t, fn))
-            for p, t, fn in rows]
+    return re.compile(re.escape(key).replace(layer, r"(\d+)").replace(rest, r".*") + r"\Z")
+
+
+def _compile(cfg: ModelConfig, layout: spec.Layout) -> tuple[list[tuple[re.Pattern, spec.Weight]], list]:
+    """(key regex, Weight) of every declared weight in `layout`, and the regexes of keys skipped on purpose."""
+    rows, skipped = spec.hf_rows(cfg, layout)
+    return [(_pattern(k), w) for k, w in rows.items()], [_pattern(k) for k in skipped]
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -217,95 +79,76 @@ def _read(file: Path, key: str) -> np.ndarray:
         return np.asarray(f.get_tensor(key))
 
 
-def _plan(path: Path, cfg: ModelConfig, rows: list[Row], headers: dict) -> dict[str, dict[int | None, tuple]]:
-    """Match every key to a target and check every shape; raise one ValueError listing all problems."""
-    expected = weight_shapes(cfg)
-    if cfg.tie_embeddings:
-        expected["lm_head"] = expected["embed"]  # an optional duplicate, checked against the embedding
-    compiled = _compile(rows)
-    plan: dict[str, dict[int | None, tuple]] = {}  # target -> {layer or None: (key, transform)}
+def _plan(path: Path, cfg: ModelConfig, layout: spec.Layout, headers: dict) -> dict[tuple[str, int | None], str]:
+    """{(weight, layer): HF key} for every weight the config expects; every shape checked. One ValueError lists
+    all missing keys, unexpected keys and shape mismatches."""
+    expected = spec.expected(cfg)
+    fam = spec.family_of(cfg)
+    if cfg.tie_embeddings:  # an optional duplicate, checked against the embedding
+        expected["lm_head", None] = fam.weight("lm_head").shape(cfg)
+    rows, skipped = _compile(cfg, layout)
+    plan: dict[tuple[str, int | None], str] = {}
+    found: set[tuple[str, int | None]] = set()
     unexpected, mismatched = [], []
-    found: set[tuple[str, int | None]] = set()  # (target, layer) present in the file, right shape or not
     for key, (_, shape, _) in sorted(headers.items()):
-        match = next(((m, row) for rx, row in compiled if (m := rx.match(key))), None)
+        match = next(((m, w) for rx, w in rows if (m := rx.match(key))), None)
         if match is None:
+            if not any(rx.match(key) for rx in skipped):
+                unexpected.append(key)
+            continue
+        m, w = match
+        target = (w.name, int(m.group(1)) if m.groups() else None)
+        if target not in expected:  # a weight the config does not ask for (e.g. biases without the switch)
             unexpected.append(key)
             continue
-        m, (_, target, fn) = match
-        if target is None:  # weightless key, ignored on purpose
+        if target in found:
+            unexpected.append(f"{key} (a second tensor for {w.name})")
             continue
-        layer = int(m.group(1)) if m.groups() else None
-        want = expected.get(target)
-        if want is None or (layer is not None and layer >= cfg.num_layers):
-            unexpected.append(key)
-            continue
-        if (target, layer) in found:
-            unexpected.append(f"{key} (a second tensor for {target})")
-            continue
-        found.add((target, layer))
+        found.add(target)  # present, whatever its shape
         try:
-            got = jax.eval_shape(lambda w: fn(w, cfg), jax.ShapeDtypeStruct(shape, jnp.float32)).shape
+            got = jax.eval_shape(lambda x: w.transform(x, cfg), jax.ShapeDtypeStruct(shape, jnp.float32)).shape
         except (TypeError, ValueError):
             got = None
-        if got != want:
-            mismatched.append(f"{key}: shape {list(shape)} does not give {target} {list(want)} (config)")
+        if got != expected[target]:
+            mismatched.append(f"{key}: shape {list(shape)} does not give {w.name} {list(expected[target])} (config)")
             continue
-        plan.setdefault(target, {})[layer] = (key, fn)
-    missing = []
-    for target in expected:
-        if target == "lm_head" and cfg.tie_embeddings:
-            continue
-        pattern = next((p for p, t, _ in rows if t == target), None)
-        if pattern is None:
-            missing.append(f"<{target}: the table has no row for it>")
-            continue
-        layers = range(cfg.num_layers) if "{i}" in pattern else [None]
-        missing += [pattern.format(i=i) for i in layers if (target, i) not in found]
+        plan[target] = key
+    missing = [spec.hf_key(fam.weight(name), layout).format(i=layer) for name, layer in expected
+               if (name, layer) not in found and not (name == "lm_head" and cfg.tie_embeddings)]
     if missing or unexpected or mismatched:
-        groups = (("missing keys", missing), ("unexpected keys", unexpected),
-                  ("shape mismatches", mismatched))
+        groups = (("missing keys", missing), ("unexpected keys", unexpected), ("shape mismatches", mismatched))
         parts = [f"{name} ({len(items)}): {', '.join(items)}" for name, items in groups if items]
         raise ValueError(f"checkpoint {path} does not match its config.json:\n  " + "\n  ".join(parts))
     return plan
 
 
-def _set(tree: dict, path: str, value: Any) -> None:
-    """tree["a"]["b"] = value for path "a.b"."""
-    *parents, leaf = path.split(".")
-    for p in parents:
-        tree = tree.setdefault(p, {})
-    tree[leaf] = value
+def _best_layout(cfg: ModelConfig, layouts: tuple[spec.Layout, ...], headers: dict) -> spec.Layout:
+    """The layout whose key patterns match most of the file's keys (alternative layouts of one architecture)."""
+    def matches(layout):
+        rows, _ = _compile(cfg, layout)
+        return sum(any(rx.match(k) for rx, _ in rows) for k in headers)
+
+    return max(layouts, key=matches)
 
 
-def load_weights(
-    path: str | Path, cfg: ModelConfig, rows: list[Row] | tuple[list[Row], ...], dtype: Any = jnp.float32
-) -> dict[str, Any]:
-    """The weights dict of the safetensors in folder `path`, mapped by `rows`, checked against `cfg`, cast."""
+def load_weights(path: str | Path, cfg: ModelConfig, layouts: tuple[spec.Layout, ...] = (spec.Layout(),),
+                 dtype: Any = jnp.float32) -> dict[str, Any]:
+    """The weights dict of the safetensors in folder `path` (the best-matching of `layouts`), checked against
+    `cfg`'s family spec and cast to `dtype`."""
     path = Path(path)
     headers = _headers(_weight_files(path))
-    if isinstance(rows, tuple):  # alternative key layouts of one architecture: take the best-matching one
-        rows = max(rows, key=lambda r: sum(any(rx.match(k) for rx, _ in _compile(r)) for k in headers))
-    plan = _plan(path, cfg, rows, headers)
-    dtype = np.dtype(dtype)
-    if cfg.tie_embeddings and "lm_head" in plan:
-        (head_key, _), = plan.pop("lm_head").values()
-        (embed_key, _), = plan["embed"].values()
+    plan = _plan(path, cfg, _best_layout(cfg, layouts, headers), headers)
+    fam, dtype = spec.family_of(cfg), np.dtype(dtype)
+    if cfg.tie_embeddings and ("lm_head", None) in plan:
+        head_key, embed_key = plan.pop(("lm_head", None)), plan[("embed", None)]
         if not np.array_equal(_read(headers[head_key][0], head_key), _read(headers[embed_key][0], embed_key)):
             raise ValueError(
                 f"checkpoint {path}: config.json ties embeddings (tie_word_embeddings) but {head_key} "
-                f"differs from {embed_key}; fix tie_word_embeddings or the weights"
-            )
-    weights: dict[str, Any] = {}
-    for target, by_layer in plan.items():
-        if None in by_layer:  # a global weight
-            key, fn = by_layer[None]
-            _set(weights, target, jnp.asarray(fn(_read(headers[key][0], key).astype(dtype), cfg)))
-        else:  # one tensor per layer: weights["layers"][i][name]
-            layers = weights.setdefault("layers", [{} for _ in range(cfg.num_layers)])
-            for i in range(cfg.num_layers):
-                key, fn = by_layer[i]
-                layers[i][target.split(".", 1)[1]] = jnp.asarray(fn(_read(headers[key][0], key).astype(dtype), cfg))
-    weights["layers"] = tuple(weights.get("layers", ()))
+                f"differs from {embed_key}; fix tie_word_embeddings or the weights")
+    weights: dict[str, Any] = {"layers": tuple({} for _ in range(cfg.num_layers))}
+    for (name, layer), key in plan.items():
+        value = jnp.asarray(fam.weight(name).transform(_read(headers[key][0], key).astype(dtype), cfg))
+        (weights if layer is None else weights["layers"][layer])[name] = value
     return weights
 
 
@@ -318,9 +161,5 @@ def load_hf_checkpoint(path: str | Path, dtype: Any = jnp.float32) -> Params:
     generation = path / "generation_config.json"
     generation = json.loads(generation.read_text()) if generation.is_file() else None
     cfg = from_hf_config(hf_config, generation)  # refuses unsupported architectures and math it cannot reproduce
-    arch = resolve_architecture(hf_config)
-    if arch not in TABLES:
-        raise ValueError(
-            f"checkpoint {path}: no weight table for architecture {arch!r}; have {sorted(TABLES)}"
-        )
-    return Params(weights=load_weights(path, cfg, TABLES[arch], dtype), config=cfg, source=str(Path(path).resolve()))
+    layouts = resolve_architecture(hf_config).layouts
+    return Params(weights=load_weights(path, cfg, layouts, dtype), config=cfg, source=str(path.resolve()))

@@ -5,19 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
-    "Gemma3ForConditionalGeneration",  # its text model only (weights under model.language_model.*)
-)
-_MODEL_TYPES = {  # used when config.json has no `architectures`
-    "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-    "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForConditionalGeneration",
-}
-_FAMILIES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-             "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3", "Gemma3ForConditionalGeneration": "gemma3"}
-
-# HF config attributes that do not change the forward math (bookkeeping, training-only, I/O flags).
-_IGNORED_KEYS = frozenset(
+# HF config attributes every family reads generically, or that do not change the forward math (bookkeeping,
+# training-only, I/O flags). A family's own keys are in its spec (`Family.reads`).
+_GENERIC_KEYS = frozenset(
     {
         "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "_name_or_path",
         "output_hidden_states", "output_attentions", "return_dict", "use_cache", "initializer_range",
@@ -37,17 +27,16 @@ _IGNORED_KEYS = frozenset(
         "output_scores", "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id",
         "remove_invalid_values", "exponential_decay_length_penalty", "chat_template", "embedding_dropout",
         "resid_pdrop", "attn_pdrop", "embd_pdrop",
-        # read by the family-specific code below (each is checked there when it changes the math)
-        "hidden_activation", "query_pre_attn_scalar", "sliding_window", "layer_types", "use_sliding_window",
-        "max_window_layers", "attn_logit_softcapping", "final_logit_softcapping", "rope_local_base_freq",
-        "sliding_window_pattern", "cache_implementation", "use_bidirectional_attention",
     }
 )
 _ROPE_TYPES = ("default", "llama3", "linear")
-# Gemma3ForConditionalGeneration's top level: the vision tower and projector, which text generation never runs.
-_MULTIMODAL_KEYS = frozenset({"text_config", "vision_config", "mm_tokens_per_image", "boi_token_index",
-                              "eoi_token_index", "image_token_index", "image_token_id", "initializer_range"})
-_GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
+
+
+def supported_architectures() -> tuple[str, ...]:
+    """HF architecture names vdjax reads (`models/families.py`)."""
+    from vdjax.models.families import ARCHITECTURES
+
+    return tuple(ARCHITECTURES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,11 +133,11 @@ def _one_rope(params: Mapping[str, Any], default_theta: float) -> tuple[float, d
     return theta, (None if rope_type == "default" else params)
 
 
-def _rope_settings(hf: Mapping[str, Any], arch: str):
+def _rope_settings(hf: Mapping[str, Any], family):
     """((theta, scaling), (local theta, local scaling) or None) from `rope_parameters` (transformers 5, maybe
     nested per layer type) or the older `rope_theta`/`rope_scaling`/`rope_local_base_freq`."""
     params = hf.get("rope_parameters")
-    base = float(hf.get("rope_theta", 1_000_000.0 if arch.startswith("Gemma3") else 10000.0))
+    base = float(hf.get("rope_theta", family.defaults.get("rope_theta", 10000.0)))
     if params and ("full_attention" in params or "sliding_attention" in params):
         full = _one_rope(params.get("full_attention") or {}, base)
         local = _one_rope(params.get("sliding_attention") or {}, float(hf.get("rope_local_base_freq", 10000.0)))
@@ -160,7 +149,7 @@ def _rope_settings(hf: Mapping[str, Any], arch: str):
         scaling = hf.get("rope_scaling")
         if scaling:
             full = _one_rope(dict(scaling) | {"rope_theta": base}, base)
-    if arch.startswith("Gemma3"):  # older Gemma3 configs: rope_scaling is global-only, local base separate
+    if family.local_rope:  # older Gemma3 configs: rope_scaling is global-only, local base separate
         return full, (float(hf.get("rope_local_base_freq", 10000.0)), None)
     return full, None
 
@@ -177,33 +166,18 @@ def _check_scaling(scaling, problems: list[str]):
     return _freeze(scaling)
 
 
-def resolve_architecture(hf: Mapping[str, Any]) -> str:
-    """The architecture name of a config.json (its `architectures[0]`, else from `model_type`); refuse others."""
+def resolve_architecture(hf: Mapping[str, Any]):
+    """The `Arch` of a config.json (its `architectures[0]`, else from `model_type`); refuse others."""
+    from vdjax.models.families import ARCHITECTURES
+
     archs = tuple(hf.get("architectures") or ())
     model_type = hf.get("model_type", "<none>")
-    arch = archs[0] if archs else _MODEL_TYPES.get(model_type, model_type)
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"unsupported architecture {arch!r} (config.json 'architectures'); supported: {SUPPORTED_ARCHITECTURES}"
-        )
-    return arch
-
-
-def _layer_types(hf: Mapping[str, Any], family: str, layers: int) -> tuple[str, ...]:
-    """Per-layer attention kind from `layer_types`, else the family's rule (Gemma patterns, Qwen max_window_layers)."""
-    if family in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
-        return ("full_attention",) * layers  # HF ignores layer_types' sliding entries then (window is None)
-    if hf.get("layer_types"):
-        return tuple(hf["layer_types"])
-    if family == "gemma2":
-        return tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers))
-    if family == "gemma3":
-        every = int(hf.get("sliding_window_pattern", 6))
-        return tuple("sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers))
-    if family in ("qwen2", "qwen3"):
-        first = int(hf.get("max_window_layers", layers))
-        return tuple("sliding_attention" if i >= first else "full_attention" for i in range(layers))
-    return ("full_attention",) * layers
+    by_type = {t: a for a in ARCHITECTURES.values() for t in a.model_types}
+    name = archs[0] if archs else getattr(by_type.get(model_type), "name", model_type)
+    if name not in ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {name!r} (config.json 'architectures'); supported: "
+                         f"{tuple(ARCHITECTURES)}")
+    return ARCHITECTURES[name]
 
 
 def _ids(value: Any) -> tuple[int, ...]:
@@ -219,79 +193,57 @@ def stop_ids(eos: Any, generation: Mapping[str, Any] | None = None) -> tuple[int
     return tuple(dict.fromkeys(_ids(eos) + _ids((generation or {}).get("eos_token_id"))))
 
 
-def from_hf_config(hf: Mapping[str, Any], generation: Mapping[str, Any] | None = None) -> ModelConfig:
-    """Build a ModelConfig from a parsed HF config.json (and generation_config.json, for its EOS ids); refuse
-    architectures or math it does not handle."""
-    arch = resolve_architecture(hf)
-    outer = hf
-    if arch == "Gemma3ForConditionalGeneration":
-        hf = dict(hf.get("text_config") or {})
-        if not hf:
-            raise ValueError("Gemma3ForConditionalGeneration config.json has no text_config")
-    family = _FAMILIES[arch]
-    gemma = family.startswith("gemma")
-    problems = []
-    act = hf.get("hidden_activation") or hf.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
-    if act not in (_GELU_TANH if gemma else ("silu",)):
-        problems.append(f"hidden_act={act!r} (handled for {arch}: {_GELU_TANH if gemma else ('silu',)})")
-    if hf.get("attention_bias", False) and gemma:
-        problems.append(f"attention_bias=True (not handled for {arch})")
+def _problems(hf: Mapping[str, Any], outer: Mapping[str, Any], arch) -> list[str]:
+    """Every setting of the config vdjax cannot reproduce: the family's refusals, generic ones, unknown keys."""
+    problems = list(arch.family.problems(hf))
     if hf.get("mlp_bias", False):
         problems.append("mlp_bias=True (MLP biases are not handled)")
     if hf.get("use_bidirectional_attention"):
         problems.append("use_bidirectional_attention=True (vdjax is causal)")
-    if not gemma and (hf.get("attn_logit_softcapping") or hf.get("final_logit_softcapping")):
-        problems.append(f"logit softcapping for {arch} (only Gemma's is handled)")
-    if not gemma and hf.get("query_pre_attn_scalar"):
-        problems.append(f"query_pre_attn_scalar for {arch} (only Gemma's is handled)")
-    (theta, scaling), local = _rope_settings(hf, arch)
+    known = _GENERIC_KEYS | arch.family.reads
+    unknown = sorted(k for k in hf if k not in known and not k.startswith("_"))
+    if outer is not hf:
+        unknown += sorted(k for k in outer if k not in known and not k.startswith("_")
+                          and k not in arch.outer_keys)
+    for key in unknown:
+        value = hf.get(key, outer.get(key))
+        if value not in (None, False, 0, "", [], {}):
+            problems.append(f"{key}={value!r} (attribute not understood by the {arch.name} converter)")
+    return problems
+
+
+def from_hf_config(hf: Mapping[str, Any], generation: Mapping[str, Any] | None = None) -> ModelConfig:
+    """Build a ModelConfig from a parsed HF config.json (and generation_config.json, for its EOS ids); refuse
+    architectures or math it does not handle (every problem named at once)."""
+    arch = resolve_architecture(hf)
+    outer, family = hf, arch.family
+    if arch.nested:
+        hf = dict(hf.get("text_config") or {})
+        if not hf:
+            raise ValueError(f"{arch.name} config.json has no text_config")
+    problems = _problems(hf, outer, arch)
+    (theta, scaling), local = _rope_settings(hf, family)
     scaling = _check_scaling(scaling, problems)
     local_theta, local_scaling = (None, None) if local is None else (local[0], _check_scaling(local[1], problems))
-    unknown = sorted(k for k in hf if k not in _IGNORED_KEYS and not k.startswith("_"))
-    if outer is not hf:
-        unknown += sorted(k for k in outer if k not in _IGNORED_KEYS and not k.startswith("_")
-                          and k not in _MULTIMODAL_KEYS)
-    for key in unknown:
-        if hf.get(key, outer.get(key)) not in (None, False, 0, "", [], {}):
-            problems.append(f"{key}={hf.get(key, outer.get(key))!r} (attribute not understood by the {arch} "
-                            "converter)")
     if problems:
         raise ValueError("config.json has settings vdjax cannot reproduce exactly: " + "; ".join(problems))
 
-    heads = int(hf["num_attention_heads"])
-    layers = int(hf["num_hidden_layers"])
-    types = _layer_types(hf, family, layers)
-    eos_ids = stop_ids(hf.get("eos_token_id", outer.get("eos_token_id")), generation)
+    def get(key, default=None):  # the text config's value, else the outer config's, else the family default
+        return hf.get(key, outer.get(key, family.defaults.get(key, default)))
+
+    heads, layers = int(hf["num_attention_heads"]), int(hf["num_hidden_layers"])
+    types = (family.layer_types(hf, layers) if family.layer_types else
+             tuple(hf.get("layer_types") or ("full_attention",) * layers))
     return ModelConfig(
-        family=family,
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=int(hf["hidden_size"]),
-        intermediate_size=int(hf["intermediate_size"]),
-        num_layers=layers,
-        num_heads=heads,
+        family=family.name, vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
+        intermediate_size=int(hf["intermediate_size"]), num_layers=layers, num_heads=heads,
         num_kv_heads=int(hf.get("num_key_value_heads") or heads),
         head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6 if gemma else 1e-5)),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        local_rope_theta=local_theta,
-        local_rope_scaling=local_scaling,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", outer.get("tie_word_embeddings", gemma))),
-        mlp_act="gelu_tanh" if gemma else "silu",
-        norm_offset=1.0 if gemma else 0.0,
-        embed_scale=gemma,
-        qk_norm=family in ("qwen3", "gemma3"),
-        attn_softcap=float(hf["attn_logit_softcapping"]) if gemma and hf.get("attn_logit_softcapping") else None,
-        final_softcap=float(hf["final_logit_softcapping"]) if gemma and hf.get("final_logit_softcapping") else None,
-        query_pre_attn_scalar=float(hf["query_pre_attn_scalar"]) if gemma and hf.get("query_pre_attn_scalar")
-        else None,
-        layer_types=types,
+        rms_norm_eps=float(get("rms_norm_eps", 1e-5)), rope_theta=theta, rope_scaling=scaling,
+        local_rope_theta=local_theta, local_rope_scaling=local_scaling,
+        tie_embeddings=bool(get("tie_word_embeddings", False)), layer_types=types,
         sliding_window=int(hf["sliding_window"]) if "sliding_attention" in types else None,
-        post_norms=gemma,
-        qkv_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
-        o_bias=bool(hf.get("attention_bias", False)),
-        bos_token_id=hf.get("bos_token_id", outer.get("bos_token_id")),
-        eos_token_ids=eos_ids,
-        pad_token_id=hf.get("pad_token_id", outer.get("pad_token_id")),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
+        bos_token_id=get("bos_token_id"), eos_token_ids=stop_ids(get("eos_token_id"), generation),
+        pad_token_id=get("pad_token_id"), max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
+        **family.switches(hf),
     )

@@ -14,16 +14,11 @@ from vdjax.models.config import ModelConfig
 class Params:
     """Model weights (a dict pytree, one dict per layer) carrying their config.
 
-    weights = {
-      "embed": [V, H], "final_norm": [H], "lm_head": [V, H] (absent when embeddings are tied),
-      "layers": ({"attn_norm": [H], "wq": [H, Nq, D], "wk": [H, K, D], "wv": [H, K, D], "wo": [Nq, D, H],
-                  "mlp_norm": [H], "w_gate": [H, F], "w_up": [H, F], "w_down": [F, H],
-                  # where the config asks: "bq": [Nq, D], "bk"/"bv": [K, D] (qkv_bias), "bo": [H] (o_bias),
-                  # "q_norm"/"k_norm": [D] (qk_norm), "post_attn_norm"/"post_mlp_norm": [H] (post_norms)
-                 }, ...)  # L dicts
-    }
-    Layers are separate arrays, not stacked on an [L] axis: XLA on CPU copies a layer's slice of a stacked
-    array before each matmul, which doubles the weight traffic of a decode step.
+    weights = {"embed": [V, H], "final_norm": [H], ..., "layers": ({"wq": [H, Nq, D], ...}, ...)}: every
+    array, its shape and when a config has it are declared once in the family spec (`models/families.py`);
+    `vdjax.models.spec.abstract(cfg)` lists them for a config. Layers are separate arrays, not stacked on an
+    [L] axis: XLA on CPU copies a layer's slice of a stacked array before each matmul, which doubles the
+    weight traffic of a decode step.
     """
 
     weights: dict[str, Any]

@@ -6,6 +6,7 @@ import numpy as np
 
 from vdjax.models.config import ModelConfig
 from vdjax.models.params import Params
+from vdjax.models.spec import init_params
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -17,22 +18,9 @@ def tiny_config(**overrides) -> ModelConfig:
 
 
 def random_params(cfg: ModelConfig, seed: int = 0, scale: float = 0.3) -> Params:
-    """Random weights in the documented layout (large enough scale for peaked, seed-dependent attention)."""
-    rng = np.random.RandomState(seed)
-    L, H, Nq, K, D, F, V = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                            cfg.intermediate_size, cfg.vocab_size)
-
-    def r(*shape):
-        return jnp.asarray(rng.randn(*shape).astype(np.float32) * scale)
-
-    layers = tuple(
-        dict(attn_norm=1 + r(H) * 0.3, mlp_norm=1 + r(H) * 0.3, wq=r(H, Nq, D), wk=r(H, K, D), wv=r(H, K, D),
-             wo=r(Nq, D, H), w_gate=r(H, F), w_up=r(H, F), w_down=r(F, H))
-        for _ in range(L))
-    w = dict(embed=r(V, H) * 3, final_norm=1 + r(H) * 0.3, layers=layers)
-    if not cfg.tie_embeddings:
-        w["lm_head"] = r(V, H)
-    return Params(weights=w, config=cfg)
+    """Random weights of every array the family spec declares (`spec.init_params`; scale large enough for
+    peaked, seed-dependent attention)."""
+    return init_params(cfg, seed, scale=scale)
 
 
 def random_ids(n: int, vocab: int, seed: int = 0) -> np.ndarray:

@@ -158,21 +158,23 @@ def test_tied_duplicate_lm_head(tmp_path):
         load_hf_checkpoint(tmp_path)
 
 
-def test_new_family_is_only_table_rows(tmp_path):
-    """Qwen2 biases and Qwen3 q/k norms load by adding rows (and config switches), not code."""
+def test_weights_come_from_the_family_spec(tmp_path):
+    """Qwen2 biases and Qwen3 q/k norms load through the spec's declarations, switched on by the config;
+    without the switch their keys are unexpected. The spec's expected shapes, abstract tree and random init
+    agree with what the converter loads."""
+    from vdjax.models import spec
+
     common = dict(vocab_size=V, hidden_size=H, intermediate_size=F, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=D, tie_word_embeddings=False)
-    cases = [(transformers.Qwen2Config, transformers.Qwen2ForCausalLM, hf.TABLES["Qwen2ForCausalLM"],
-              dict(qkv_bias=True)),
-             (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, hf.TABLES["Qwen3ForCausalLM"],
-              dict(qk_norm=True))]
-    for n, (config_cls, model_cls, rows, switch) in enumerate(cases):
+    cases = [(transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(qkv_bias=True)),
+             (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(qk_norm=True))]
+    for n, (config_cls, model_cls, switch) in enumerate(cases):
         model = _randomize(model_cls(config_cls(**common)))
         model.save_pretrained(tmp_path / str(n))
         sd = {k: v.numpy() for k, v in model.state_dict().items()}
         cfg = ModelConfig(family="llama", vocab_size=V, hidden_size=H, intermediate_size=F, num_layers=2,
                           num_heads=4, num_kv_heads=2, head_dim=D, **switch)
-        weights = hf.load_weights(tmp_path / str(n), cfg, rows)
+        weights = hf.load_weights(tmp_path / str(n), cfg)
         for i in range(2):
             for proj, target in (("q", "bq"), ("k", "bk"), ("v", "bv"), ("q", "q_norm"), ("k", "k_norm")):
                 if target in weights["layers"][i]:
@@ -180,9 +182,12 @@ def test_new_family_is_only_table_rows(tmp_path):
                     key = f"model.layers.{i}.self_attn.{name}"
                     np.testing.assert_array_equal(np.reshape(weights["layers"][i][target], -1), sd[key])
         assert set(weights["layers"][0]) >= ({"bq", "bk", "bv"} if n == 0 else {"q_norm", "k_norm"})
+        shapes = jax.tree.map(lambda x: x.shape, spec.abstract(cfg))
+        assert jax.tree.map(lambda x: x.shape, weights) == shapes
+        assert jax.tree.map(lambda x: x.shape, spec.init_params(cfg).weights) == shapes
         plain = dataclasses.replace(cfg, qkv_bias=False, qk_norm=False)
-        with pytest.raises(ValueError, match="unexpected keys"):  # without the switch the rows find no target
-            hf.load_weights(tmp_path / str(n), plain, rows)
+        with pytest.raises(ValueError, match="unexpected keys"):  # without the switch the weights are not expected
+            hf.load_weights(tmp_path / str(n), plain)
 
 
 def test_orbax_round_trip(tmp_path):

@@ -6,10 +6,10 @@
 
 - "data": the batch. Rows are independent (each evicts on its own), so the pipeline pads the batch with dummy
   rows to a multiple of the axis size and drops them from the outputs.
-- "model": attention heads and the MLP width. Per-head projections (wq [H, Nq, D], wk/wv [H, K, D],
-  wo [Nq, D, H], biases bq [Nq, D], bk/bv [K, D]) and the KV cache (k/v [B, K, N, D], pos/acc [B, K, N]) are
-  split over heads; the MLP over F (w_gate/w_up [H, F], w_down [F, H]). Embeddings, LM head, every norm
-  (q/k norms are per head_dim) and the output bias are replicated.
+- "model": attention heads and the MLP width. Which axis of a weight splits is derived from its declaration in
+  the family spec (`models/families.py`, `spec.split_axis`): the head axis of wq/wk/wv/wo and the q/k/v
+  biases, the F axis of the MLP; embeddings, LM head, every norm and the output bias have neither and are
+  replicated. The KV cache (k/v [B, K, N, D], pos/acc [B, K, N]) splits over its KV heads.
 - A dimension that does not divide by its axis size is replicated instead of split: attention is split
   only when the KV heads K divide by the "model" size (the query heads, Nq = K·G, then follow), e.g.
   SmolLM2-135M (K = 3) keeps attention and cache replicated on a 2- or 4-way model axis; its MLP (F = 1536)
@@ -28,13 +28,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from vdjax.checks import check_int
+from vdjax.models.spec import split_axis
 
 DATA, MODEL = "data", "model"
 AXES = (DATA, MODEL)
-
-# layer weight name -> its head dimension (split when K divides by "model") / its F dimension (when F does)
-_HEAD_DIM = {"wq": 1, "wk": 1, "wv": 1, "wo": 0, "bq": 0, "bk": 0, "bv": 0}
-_MLP_DIM = {"w_gate": 1, "w_up": 1, "w_down": 0}
 
 
 def make_mesh(data: int | None = None, model: int = 1, devices: Sequence[Any] | None = None) -> Mesh:
@@ -78,15 +75,10 @@ def heads_split(config, mesh: Mesh) -> bool:
 
 
 def _weight_spec(name: str, shape: tuple[int, ...], config, mesh: Mesh) -> P:
-    """PartitionSpec of one weight (by its name in a layer dict) on the mesh."""
-    spec = [None] * len(shape)
-    if name in _HEAD_DIM and heads_split(config, mesh):
-        spec[_HEAD_DIM[name]] = MODEL
-    elif name in _MLP_DIM:
-        spec[_MLP_DIM[name]] = _split(mesh, MODEL, shape[_MLP_DIM[name]])
-    while spec and spec[-1] is None:  # P() when replicated; P(None, "model") for P(None, "model", None)
-        spec.pop()
-    return P(*spec)
+    """PartitionSpec of one weight (by its name in the family spec) on the mesh: the axis `spec.split_axis`
+    names goes over "model", everything else is replicated."""
+    axis = split_axis(config, name, mesh.shape[MODEL])
+    return P() if axis is None else P(*([None] * axis + [MODEL]))
 
 
 def param_shardings(params, mesh: Mesh):
@@ -99,7 +91,7 @@ def param_shardings(params, mesh: Mesh):
     cfg = params.config
 
     def one(path, leaf):
-        key = path[-1].key if hasattr(path[-1], "key") else None  # the name inside a layer dict
+        key = path[-1].key  # the weight's name (in the weights dict or a layer's dict)
         return NamedSharding(mesh, _weight_spec(key, leaf.shape, cfg, mesh))
 
     return jax.tree_util.tree_map_with_path(one, params)

@@ -1,0 +1,170 @@
+"""Every model family, declared once: its HF architectures, config switches and weights (see `models/spec.py`).
+
+Adding a family: a `Family` (switches + weights) and its `Arch` entries here, the math its switches turn on in
+`models/transformer.py`, and tests (parity with HF on a tiny random model).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from vdjax.models.spec import Arch, Family, Layout, Weight, heads_bias, heads_in, heads_out, transpose
+
+_GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
+
+
+# ---- weight groups ----------------------------------------------------------------------------------------
+def _has(switch: str):
+    """`when` of a weight present only where the config switch is on."""
+    return lambda cfg, layer: bool(getattr(cfg, switch))
+
+
+MODEL = (
+    Weight("embed", ("vocab", "hidden"), "embed_tokens.weight", init="embed", layer=False),
+    Weight("final_norm", ("hidden",), "norm.weight", init="norm", layer=False),
+    # [V, H] as is; absent with tied embeddings (a file's equal duplicate is checked and dropped)
+    Weight("lm_head", ("vocab", "hidden"), "^lm_head.weight", layer=False),
+)
+ATTENTION = (
+    Weight("wq", ("hidden", "q_heads", "head_dim"), "self_attn.q_proj.weight", heads_in),
+    Weight("wk", ("hidden", "kv_heads", "head_dim"), "self_attn.k_proj.weight", heads_in),
+    Weight("wv", ("hidden", "kv_heads", "head_dim"), "self_attn.v_proj.weight", heads_in),
+    Weight("wo", ("q_heads", "head_dim", "hidden"), "self_attn.o_proj.weight", heads_out),
+    Weight("bq", ("q_heads", "head_dim"), "self_attn.q_proj.bias", heads_bias, when=_has("qkv_bias")),
+    Weight("bk", ("kv_heads", "head_dim"), "self_attn.k_proj.bias", heads_bias, when=_has("qkv_bias")),
+    Weight("bv", ("kv_heads", "head_dim"), "self_attn.v_proj.bias", heads_bias, when=_has("qkv_bias")),
+    Weight("bo", ("hidden",), "self_attn.o_proj.bias", when=_has("o_bias")),
+    Weight("q_norm", ("head_dim",), "self_attn.q_norm.weight", init="norm", when=_has("qk_norm")),
+    Weight("k_norm", ("head_dim",), "self_attn.k_norm.weight", init="norm", when=_has("qk_norm")),
+)
+MLP = (
+    Weight("w_gate", ("hidden", "mlp"), "mlp.gate_proj.weight", transpose),
+    Weight("w_up", ("hidden", "mlp"), "mlp.up_proj.weight", transpose),
+    Weight("w_down", ("mlp", "hidden"), "mlp.down_proj.weight", transpose),
+)
+# Llama: a norm before each sublayer; HF calls the second one post_attention_layernorm
+LLAMA_NORMS = (
+    Weight("attn_norm", ("hidden",), "input_layernorm.weight", init="norm"),
+    Weight("mlp_norm", ("hidden",), "post_attention_layernorm.weight", init="norm"),
+)
+# Gemma: norms before and after both sublayers (post_attention_layernorm is *post*-attention here)
+GEMMA_NORMS = (
+    Weight("attn_norm", ("hidden",), "input_layernorm.weight", init="norm"),
+    Weight("post_attn_norm", ("hidden",), "post_attention_layernorm.weight", init="norm"),
+    Weight("mlp_norm", ("hidden",), "pre_feedforward_layernorm.weight", init="norm"),
+    Weight("post_mlp_norm", ("hidden",), "post_feedforward_layernorm.weight", init="norm"),
+)
+
+
+# ---- config switches --------------------------------------------------------------------------------------
+def _llama_switches(hf: Mapping) -> dict:
+    bias = bool(hf.get("attention_bias", False))
+    return dict(qkv_bias=bias, o_bias=bias)
+
+
+def _qwen2_switches(hf: Mapping) -> dict:
+    return dict(qkv_bias=True, o_bias=bool(hf.get("attention_bias", False)))
+
+
+def _qwen3_switches(hf: Mapping) -> dict:
+    return _llama_switches(hf) | dict(qk_norm=True)
+
+
+def _gemma_switches(hf: Mapping) -> dict:
+    return dict(mlp_act="gelu_tanh", norm_offset=1.0, embed_scale=True, post_norms=True,
+                attn_softcap=float(hf["attn_logit_softcapping"]) if hf.get("attn_logit_softcapping") else None,
+                final_softcap=float(hf["final_logit_softcapping"]) if hf.get("final_logit_softcapping") else None,
+                query_pre_attn_scalar=float(hf["query_pre_attn_scalar"]) if hf.get("query_pre_attn_scalar")
+                else None)
+
+
+def _gemma3_switches(hf: Mapping) -> dict:
+    return _gemma_switches(hf) | dict(qk_norm=True)
+
+
+def _silu_only(arch: str):
+    """Refusals shared by the non-Gemma families."""
+    def problems(hf: Mapping) -> list[str]:
+        out = []
+        act = hf.get("hidden_act") or "silu"
+        if act != "silu":
+            out.append(f"hidden_act={act!r} (handled for {arch}: ('silu',))")
+        if hf.get("attn_logit_softcapping") or hf.get("final_logit_softcapping"):
+            out.append(f"logit softcapping for {arch} (only Gemma's is handled)")
+        if hf.get("query_pre_attn_scalar"):
+            out.append(f"query_pre_attn_scalar for {arch} (only Gemma's is handled)")
+        return out
+    return problems
+
+
+def _gemma_problems(hf: Mapping) -> list[str]:
+    out = []
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in _GELU_TANH:
+        out.append(f"hidden_act={act!r} (handled for Gemma: {_GELU_TANH})")
+    if hf.get("attention_bias", False):
+        out.append("attention_bias=True (not handled for Gemma)")
+    return out
+
+
+# ---- layer patterns ---------------------------------------------------------------------------------------
+def _qwen_layers(hf: Mapping, n: int) -> tuple[str, ...]:
+    """Qwen2/3: sliding layers only with use_sliding_window (from max_window_layers on); HF ignores
+    layer_types' sliding entries otherwise (the window is None)."""
+    if not hf.get("use_sliding_window", False):
+        return ("full_attention",) * n
+    if hf.get("layer_types"):
+        return tuple(hf["layer_types"])
+    first = int(hf.get("max_window_layers", n))
+    return tuple("sliding_attention" if i >= first else "full_attention" for i in range(n))
+
+
+def _gemma2_layers(hf: Mapping, n: int) -> tuple[str, ...]:
+    return tuple(hf.get("layer_types") or ("sliding_attention" if i % 2 == 0 else "full_attention"
+                                          for i in range(n)))
+
+
+def _gemma3_layers(hf: Mapping, n: int) -> tuple[str, ...]:
+    every = int(hf.get("sliding_window_pattern", 6))
+    return tuple(hf.get("layer_types") or ("sliding_attention" if (i + 1) % every else "full_attention"
+                                          for i in range(n)))
+
+
+_QWEN_READS = frozenset({"use_sliding_window", "max_window_layers", "sliding_window", "layer_types"})
+_GEMMA_READS = frozenset({"hidden_activation", "query_pre_attn_scalar", "sliding_window", "layer_types",
+                          "attn_logit_softcapping", "final_logit_softcapping", "rope_local_base_freq",
+                          "sliding_window_pattern", "cache_implementation", "use_bidirectional_attention"})
+
+LLAMA = Family("llama", MODEL + LLAMA_NORMS + ATTENTION + MLP, _llama_switches,
+               frozenset({"layer_types", "sliding_window"}), problems=_silu_only("LlamaForCausalLM"))
+QWEN2 = Family("qwen2", LLAMA.weights, _qwen2_switches, _QWEN_READS, _qwen_layers,
+               _silu_only("Qwen2ForCausalLM"))
+QWEN3 = Family("qwen3", LLAMA.weights, _qwen3_switches, _QWEN_READS, _qwen_layers,
+               _silu_only("Qwen3ForCausalLM"))
+_GEMMA_DEFAULTS = {"rms_norm_eps": 1e-6, "tie_word_embeddings": True}
+GEMMA2 = Family("gemma2", MODEL + GEMMA_NORMS + ATTENTION + MLP, _gemma_switches, _GEMMA_READS, _gemma2_layers,
+                _gemma_problems, defaults=_GEMMA_DEFAULTS)
+GEMMA3 = Family("gemma3", GEMMA2.weights, _gemma3_switches, _GEMMA_READS, _gemma3_layers, _gemma_problems,
+                defaults=_GEMMA_DEFAULTS | {"rope_theta": 1_000_000.0}, local_rope=True)
+
+FAMILIES = {f.name: f for f in (LLAMA, QWEN2, QWEN3, GEMMA2, GEMMA3)}
+
+# The multimodal Gemma3 checkpoint: the text model under a language-model prefix; the vision tower and the
+# projector are read by nobody here. transformers >= 4.52 in memory / older saves: model.language_model.*;
+# transformers 5 (and the Hub's google/gemma-3-*-it) write language_model.model.*.
+_GEMMA3_MM = (
+    Layout("model.language_model.", "", ("model.vision_tower.{*}", "model.multi_modal_projector.{*}")),
+    Layout("language_model.model.", "language_model.", ("vision_tower.{*}", "multi_modal_projector.{*}")),
+)
+_MM_KEYS = frozenset({"text_config", "vision_config", "mm_tokens_per_image", "boi_token_index", "eoi_token_index",
+                      "image_token_index", "image_token_id", "initializer_range"})
+
+ARCHITECTURES = {a.name: a for a in (
+    Arch("LlamaForCausalLM", LLAMA, ("llama",)),
+    Arch("Qwen2ForCausalLM", QWEN2, ("qwen2",)),
+    Arch("Qwen3ForCausalLM", QWEN3, ("qwen3",)),
+    Arch("Gemma2ForCausalLM", GEMMA2, ("gemma2",)),
+    Arch("Gemma3ForCausalLM", GEMMA3, ("gemma3_text",)),
+    Arch("Gemma3ForConditionalGeneration", GEMMA3, ("gemma3",), nested=True, layouts=_GEMMA3_MM,
+         outer_keys=_MM_KEYS),
+)}
