@@ -156,47 +156,27 @@ def _jax_setup():
     return jax
 
 
-def cache_size() -> int:
-    from vdjax import pipeline
-
-    return pipeline._prefill._cache_size()
-
-
 def warm_prefill(params, ids, policy: str, budget: int | None, block: int) -> str:
-    """Compile the program a prefill of `ids` uses, cheaply: same padded shapes and statics, but lengths cut to
-    one block, so the run executes one block (empty blocks are skipped at run time). Falls back to a full run
-    if the pipeline internals changed. Returns how it warmed."""
-    import jax.numpy as jnp
-    from vdjax import pipeline
+    """Compile the program a prefill of `ids` uses without running it (`vdjax.pipeline.compile_prefill`)."""
+    from vdjax.pipeline import compile_prefill
 
-    try:
-        p = pipeline.plan(params, ids, policy, budget, block)
-        lengths = np.minimum(p.lengths, p.block).astype(np.int32)
-        _, lg = pipeline._prefill(params, jnp.asarray(p.tokens), jnp.asarray(lengths), policy=p.policy,
-                                  hyper=p.hyper, slots=p.slots, block=p.block)
-        lg.block_until_ready()
-        return "1-block run of the same program"
-    except Exception as e:  # noqa: BLE001 - the internals are not API; fall back to the public call
-        import vdjax
-
-        _, lg = vdjax.prefill(params, ids, policy, budget, block)
-        lg.block_until_ready()
-        return f"full run ({type(e).__name__}: {e})"
+    compile_prefill(params, ids, policy, budget, block)
+    return "compiled ahead of time (compile_prefill)"
 
 
 def timed_prefill(params, ids, policy: str, budget: int | None, block: int) -> dict:
     """Time one (warm) prefill + the first greedy token on the host (= time to first token)."""
     import jax.numpy as jnp
     import vdjax
+    from vdjax.compilation import count_compiles
 
-    before = cache_size()
-    with OtherLoad() as ol:
+    with OtherLoad() as ol, count_compiles() as compiled:
         t0 = time.perf_counter()
         _, logits = vdjax.prefill(params, ids, policy, budget, block)
         int(np.asarray(jnp.argmax(logits[0])))
         dt = time.perf_counter() - t0
     n = int(np.asarray(ids).shape[-1])
-    return {"s": dt, "tok_s": n / dt, "compiled": cache_size() - before, "other_load": ol.cores}
+    return {"s": dt, "tok_s": n / dt, "compiled": compiled.value, "other_load": ol.cores}
 
 
 # ---- subprocess workers ---------------------------------------------------------------------------------
@@ -261,22 +241,23 @@ def worker_compile(a) -> dict:
     """Prefill at `count` random lengths in [lo, hi] in a fresh process: programs compiled and wall time."""
     _jax_setup()
     import vdjax
+    from vdjax.compilation import count_compiles
 
     params = vdjax.load(a.model)
     ids = np.load(a.tokens)
     rng = np.random.default_rng(a.seed)
     lengths = [int(x) for x in rng.integers(a.lo, a.hi + 1, a.count)]
-    before = cache_size()
     calls = []
     with OtherLoad() as ol:
         t0 = time.perf_counter()
         for n in lengths:
-            c0, s0 = cache_size(), time.perf_counter()
-            _, lg = vdjax.prefill(params, ids[:n], "valuediff", a.budget, a.block)
-            lg.block_until_ready()
-            calls.append({"T": n, "s": time.perf_counter() - s0, "compiled": cache_size() - c0})
+            s0 = time.perf_counter()
+            with count_compiles() as compiled:
+                _, lg = vdjax.prefill(params, ids[:n], "valuediff", a.budget, a.block)
+                lg.block_until_ready()
+            calls.append({"T": n, "s": time.perf_counter() - s0, "compiled": compiled.value})
         wall = time.perf_counter() - t0
-    return {"lengths": lengths, "compiled": cache_size() - before, "wall_s": wall, "calls": calls,
+    return {"lengths": lengths, "compiled": sum(c["compiled"] for c in calls), "wall_s": wall, "calls": calls,
             "tokens": sum(lengths), "other_load": ol.cores}
 
 

@@ -67,20 +67,18 @@ def worker(a) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from vdjax.pipeline import _prefill, plan
+    from vdjax.pipeline import compile_prefill
 
     params = random_params(TINY if a.tiny else QWEN3_4B)
     weight_bytes = params.nbytes()
     ids = np.random.default_rng(0).integers(0, params.config.vocab_size, a.length, dtype=np.int32)
     budget = None if a.policy == "dense" else a.budget
-    p = plan(params, ids, a.policy, budget, a.block)
-    tokens, lengths = jnp.asarray(p.tokens), jnp.asarray(p.lengths)
-    kw = dict(policy=p.policy, hyper=p.hyper, slots=p.slots, block=p.block)
     t = time.perf_counter()
-    compiled = _prefill.lower(params, tokens, lengths, **kw).compile()
+    program = compile_prefill(params, ids, a.policy, budget, a.block)
     compile_s = time.perf_counter() - t
+    p = program.plan
     t = time.perf_counter()
-    cache, logits = compiled(params, tokens, lengths)
+    cache, logits = program()
     first = int(jnp.argmax(logits[0]))  # the first token: what TTFT waits for
     ttft = time.perf_counter() - t
     stats = jax.devices()[0].memory_stats() or {}

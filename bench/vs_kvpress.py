@@ -227,12 +227,11 @@ def worker_vdjax(a) -> dict:
     B._jax_setup()
     import jax
     import vdjax
-    from vdjax import pipeline
+    from vdjax.compilation import count_compiles
 
     params = vdjax.load(a.model)
     ids = np.load(a.tokens)[: a.T]
     out = {"versions": {"jax": jax.__version__, "backend": jax.default_backend()}}
-    compiled = lambda: pipeline._prefill._cache_size() + pipeline._decode._cache_size()  # noqa: E731
     for policy in a.presses.split(","):
         kw = vd_kwargs(policy, a)
         gen_kw = dict(block_size=a.block, max_new_tokens=a.new, eos_token_id=[], **kw)
@@ -245,13 +244,12 @@ def worker_vdjax(a) -> dict:
         warm_s = time.perf_counter() - t0
 
         def once(policy=policy, gen_kw=gen_kw):
-            before = compiled()
-            with B.OtherLoad() as ol:
+            with B.OtherLoad() as ol, count_compiles() as compiled:
                 t0 = time.perf_counter()
                 g = vdjax.run(params, ids, policy, a.budget, **gen_kw)
                 dt = time.perf_counter() - t0
             return {"s": dt, "prefill_s": g.prefill_s, "decode_s": g.decode_s, "other_load": ol.cores,
-                    "tokens": g.tokens[0].tolist(), "compiled": compiled() - before, "slots": int(g.cache.budget)}
+                    "tokens": g.tokens[0].tolist(), "compiled": compiled.value, "slots": int(g.cache.budget)}
 
         res, runs = measure(once, a)
         out[policy] = res | {"runs_s": runs, "warm_s": warm_s, "tokens_warm": warm.tokens[0].tolist(),

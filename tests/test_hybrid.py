@@ -44,7 +44,7 @@ def test_score_is_the_numpy_mix_and_exact_at_the_endpoints():
     attn = P.AttnInfo(jnp.zeros((b, kh, 1, 1, c)), jnp.zeros((b, 1), jnp.int32), jnp.zeros((b, kh, c)), layer=1)
     vd, kd, valid = _np_scores(k, v, pos)
     w = ((1.0, 1.0, 1.0), (0.25, 1.0, 0.0))  # layer 1: a mix, pure ValueDiff, pure KeyDiff head
-    got = np.asarray(P.hybrid(jnp.asarray(k), jnp.asarray(v), attn, jnp.asarray(pos), weights=w))
+    got = np.asarray(HY.hybrid(jnp.asarray(k), jnp.asarray(v), attn, jnp.asarray(pos), mix=w))
     ref = 0.25 * _z(vd, valid) + 0.75 * _z(kd, valid)
     np.testing.assert_allclose(got[:, 0][valid[:, 0]], ref[:, 0][valid[:, 0]], rtol=1e-4, atol=1e-5)
     exact_vd = np.asarray(P.valuediff(jnp.asarray(k), jnp.asarray(v), attn, jnp.asarray(pos)))
@@ -52,7 +52,7 @@ def test_score_is_the_numpy_mix_and_exact_at_the_endpoints():
     np.testing.assert_array_equal(got[:, 1], exact_vd[:, 1])  # bit-identical, not just rank-equivalent
     np.testing.assert_array_equal(got[:, 2], exact_kd[:, 2])
     layer0 = P.AttnInfo(attn.probs, attn.q_pos, attn.acc, layer=0)
-    np.testing.assert_array_equal(P.hybrid(jnp.asarray(k), jnp.asarray(v), layer0, jnp.asarray(pos), weights=w),
+    np.testing.assert_array_equal(HY.hybrid(jnp.asarray(k), jnp.asarray(v), layer0, jnp.asarray(pos), mix=w),
                                   exact_vd)
 
 
@@ -63,7 +63,7 @@ def test_endpoints_generate_exactly_like_valuediff_and_keydiff(w, same_as):
     ids = [random_ids(70, cfg.vocab_size, seed=2), random_ids(53, cfg.vocab_size, seed=3)]
     kw = dict(budget=16, block_size=8, max_new_tokens=8, eos_token_id=[])
     ref = vdjax.run(params, ids, same_as, **kw)
-    got = vdjax.run(params, ids, "hybrid", weights=w, **kw)
+    got = vdjax.run(params, ids, "hybrid", mix=w, **kw)
     np.testing.assert_array_equal(got.tokens, ref.tokens)
     np.testing.assert_array_equal(np.asarray(got.cache.pos), np.asarray(ref.cache.pos))
     other = vdjax.run(params, ids, "keydiff" if same_as == "valuediff" else "valuediff", **kw)
@@ -77,7 +77,7 @@ def test_per_head_and_per_layer_weights_pick_each_heads_policy():
     vd, _ = vdjax.prefill(params, ids, "valuediff", budget=12, block_size=8)
     kd, _ = vdjax.prefill(params, ids, "keydiff", budget=12, block_size=8)
     # layer 0 head 0 ValueDiff, head 1 KeyDiff: layer 0 keeps what each policy keeps in that head
-    mixed, _ = vdjax.prefill(params, ids, "hybrid", budget=12, block_size=8, weights=[[1.0, 0.0], [1.0, 1.0]])
+    mixed, _ = vdjax.prefill(params, ids, "hybrid", budget=12, block_size=8, mix=[[1.0, 0.0], [1.0, 1.0]])
     pos = lambda c, h: sorted(np.asarray(c[0].pos[0, h]).tolist())  # noqa: E731
     assert pos(mixed, 0) == pos(vd, 0) and pos(mixed, 1) == pos(kd, 1)
     assert pos(vd, 1) != pos(kd, 1)
@@ -86,30 +86,30 @@ def test_per_head_and_per_layer_weights_pick_each_heads_policy():
 def test_weights_checked_and_resolved(tmp_path):
     cfg = tiny_config(num_layers=3)
     params = random_params(cfg)
-    assert HY.check_weights(0.5, 3, 2) == ((0.5, 0.5),) * 3
-    assert HY.check_weights([0, 1, 0.5], 3, 2) == ((0.0, 0.0), (1.0, 1.0), (0.5, 0.5))
+    assert HY.check_mix(0.5, 3, 2) == ((0.5, 0.5),) * 3
+    assert HY.check_mix([0, 1, 0.5], 3, 2) == ((0.0, 0.0), (1.0, 1.0), (0.5, 0.5))
     with pytest.raises(ValueError, match=r"num_layers=3"):
-        HY.check_weights([0.5, 0.5], 3, 2)
+        HY.check_mix([0.5, 0.5], 3, 2)
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
-        HY.check_weights(1.5, 3, 2)
+        HY.check_mix(1.5, 3, 2)
     with pytest.raises(ValueError, match="analyze"):  # nothing saved with this model
         vdjax.generate(params, [1, 2, 3], "hybrid", budget=4)
     # saved next to the checkpoint -> used by name; fitted wins over geometry
     with_source = Params(params.weights, cfg, source=str(tmp_path))
-    HY.save_weights(HY.model_weights_path(with_source, "geometry"), np.ones((3, 2)), method="geometry", model="t")
-    assert HY.resolve_weights(with_source, None) == ((1.0, 1.0),) * 3
-    HY.save_weights(HY.model_weights_path(with_source, "fitted"), np.zeros((3, 2)), method="fitted", model="t")
-    assert HY.resolve_weights(with_source, None) == ((0.0, 0.0),) * 3
-    assert HY.resolve_weights(with_source, "geometry") == ((1.0, 1.0),) * 3
+    HY.save_mix(HY.mix_path(with_source, "geometry"), np.ones((3, 2)), method="geometry", model="t")
+    assert HY.resolve_mix(with_source, None) == ((1.0, 1.0),) * 3
+    HY.save_mix(HY.mix_path(with_source, "fitted"), np.zeros((3, 2)), method="fitted", model="t")
+    assert HY.resolve_mix(with_source, None) == ((0.0, 0.0),) * 3
+    assert HY.resolve_mix(with_source, "geometry") == ((1.0, 1.0),) * 3
     ids = random_ids(40, cfg.vocab_size, seed=6)
     np.testing.assert_array_equal(vdjax.generate(with_source, ids, "hybrid", budget=8, block_size=8),
                                   vdjax.generate(params, ids, "keydiff", budget=8, block_size=8))
-    other = HY.save_weights(tmp_path / "w.json", np.zeros((2, 2)), method="fitted", model="other")
+    other = HY.save_mix(tmp_path / "w.json", np.zeros((2, 2)), method="fitted", model="other")
     with pytest.raises(ValueError, match="2 layers x 2 KV heads"):
-        HY.resolve_weights(params, str(other))
+        HY.resolve_mix(params, str(other))
     (tmp_path / "bad.json").write_text(json.dumps({"weights": [1]}))
     with pytest.raises(ValueError, match="not a vdjax hybrid weights file"):
-        HY.resolve_weights(params, str(tmp_path / "bad.json"))
+        HY.resolve_mix(params, str(tmp_path / "bad.json"))
 
 
 def test_geometry_rule_follows_the_two_axis_picture():
@@ -193,7 +193,7 @@ def test_simulation_keeps_what_the_pipeline_keeps_at_layer_0():
 
     (_, _, k, v, _), = [x for x in layer_data(params, ids[None], 16, 2) if x[0] == 0]
     for w in (1.0, 0.0, 0.4):
-        cache, _ = vdjax.prefill(params, ids, "hybrid", budget=12, block_size=16, weights=w)
+        cache, _ = vdjax.prefill(params, ids, "hybrid", budget=12, block_size=16, mix=w)
         kept = np.asarray(HY.kept_after(k, v, jnp.full((cfg.num_kv_heads,), w, jnp.float32), budget=12, block=16))
         for h in range(cfg.num_kv_heads):
             assert sorted(np.flatnonzero(kept[0, h]).tolist()) == sorted(

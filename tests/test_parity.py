@@ -1,5 +1,6 @@
 """Dense logits equal HF transformers (torch, fp32, eager attention): tiny random Llamas and the real SmolLM2."""
 
+import chex
 import numpy as np
 import pytest
 import jax.numpy as jnp
@@ -54,7 +55,7 @@ def test_tiny_llama_matches_hf(tmp_path, heads, kv_heads, rope, tied):
     ref = hf_logits(model, ids)
     got = np.asarray(tf.forward(params, jnp.asarray(ids)))
     assert rel_err(got, ref) < 1e-4
-    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+    chex.assert_trees_all_close(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
     # the block pipeline (dense, B=32) gives the same last-token logits
     _, last = vdjax.prefill(params, ids, policy="dense", block_size=32)
     assert rel_err(last, ref[:, -1]) < 1e-4

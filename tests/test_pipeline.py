@@ -1,5 +1,7 @@
-"""Block prefill + decode eviction: no-op at full budget, DESIGN.md invariants, batching, compile reuse, errors."""
+"""Block prefill + decode eviction: no-op at full budget, the design invariants (exactly min(N, seen) valid
+slots, unique positions), batching, compile reuse, errors."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,9 +12,10 @@ from vdjax import pipeline
 from vdjax.models import transformer as tf
 
 from helpers import layer0_kv, random_ids, random_params, tiny_config
+from vdjax.compilation import count_compiles
 
 POLICY_NAMES = [n for n in vdjax.POLICIES if n != "dense"]
-KW = {"hybrid": {"weights": 0.5}}  # keywords a policy needs on a model without saved weights
+KW = {"hybrid": {"mix": 0.5}}  # keywords a policy needs on a model without saved weights
 T, NEW = 40, 8
 
 
@@ -62,6 +65,8 @@ def test_full_budget_is_dense(model, prompts, dense_tokens, name, block):
 
 def _check_slots(pos: np.ndarray, seen: np.ndarray, budget: int):
     """pos [L, B, K, N]: exactly min(N, seen[b]) valid unique positions per head, all < seen."""
+    chex.assert_rank(pos, 4)
+    chex.assert_axis_dimension(pos, 1, len(seen))
     for l, b, h in np.ndindex(pos.shape[:3]):
         p = pos[l, b, h]
         valid = p[p >= 0]
@@ -126,23 +131,28 @@ def test_layer0_keeps_global_topn_of_token_local_score(name, sign):
 def test_jit_and_eager_agree(model, prompts):
     ids = prompts[1]
     for name in ("valuediff", "snapkv", "h2o"):
-        p = pipeline.plan(model, ids, name, 9, 8)
-        args = (model, jnp.asarray(p.tokens), jnp.asarray(p.lengths))
-        kw = dict(policy=p.policy, hyper=p.hyper, slots=p.slots, block=p.block)
-        jc, jl = pipeline._prefill(*args, **kw)
+        jc, jl = vdjax.prefill(model, ids, name, 9, 8)
         with jax.disable_jit():
-            ec, el = pipeline._prefill.__wrapped__(*args, **kw)
+            ec, el = vdjax.prefill(model, ids, name, 9, 8)
         np.testing.assert_array_equal(np.asarray(jc.pos), np.asarray(ec.pos))
         np.testing.assert_allclose(np.asarray(jl), np.asarray(el), rtol=1e-4, atol=1e-5)
 
 
 def test_same_bucket_compiles_nothing_new(model):
     vocab = model.config.vocab_size
-    vdjax.prefill(model, random_ids(100, vocab, 1), policy="keydiff", budget=16, block_size=16)  # 7 -> 8 blocks
-    before = pipeline._prefill._cache_size()
-    vdjax.prefill(model, random_ids(120, vocab, 2), policy="keydiff", budget=16, block_size=16)  # 8 blocks
-    vdjax.prefill(model, random_ids(113, vocab, 3), policy="keydiff", budget=16, block_size=16)
-    assert pipeline._prefill._cache_size() == before
+    with count_compiles() as first:
+        vdjax.prefill(model, random_ids(100, vocab, 1), policy="keydiff", budget=16, block_size=16)  # 7 -> 8 blocks
+    with count_compiles() as again:
+        vdjax.prefill(model, random_ids(120, vocab, 2), policy="keydiff", budget=16, block_size=16)  # 8 blocks
+        vdjax.prefill(model, random_ids(113, vocab, 3), policy="keydiff", budget=16, block_size=16)
+    assert first.value >= 1 and again.value == 0
+    program = pipeline.compile_prefill(model, random_ids(200, vocab, 4), "keydiff", 16, 16)  # 13 -> 16 blocks
+    assert program.plan.tokens.shape[1] == 16 * 16
+    with count_compiles() as after_warm:
+        cache, logits = vdjax.prefill(model, random_ids(250, vocab, 5), policy="keydiff", budget=16, block_size=16)
+    assert after_warm.value == 0  # compile_prefill warmed the 16-block program
+    np.testing.assert_array_equal(np.asarray(program()[1]), np.asarray(
+        vdjax.prefill(model, random_ids(200, vocab, 4), policy="keydiff", budget=16, block_size=16)[1]))
     assert [pipeline.bucket(n) for n in (1, 2, 3, 4, 5, 7, 9, 13, 17, 25)] == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
 
 

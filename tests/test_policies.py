@@ -1,5 +1,8 @@
 """Every score function equals a plain NumPy reference; eviction operators keep exactly the right sets."""
 
+import dataclasses
+
+import chex
 import numpy as np
 import pytest
 import jax
@@ -68,7 +71,7 @@ def _ref_scores(name, k, v, pos, probs, q_pos, acc, budget, **kw):
             elif name == "h2o":
                 s = np.where(recent(budget // 2), np.inf, acc[b, h])
             elif name == "hybrid":  # per-head weights of layer 0: z-scored mix, exact scores at w = 1 / 0
-                w = kw["weights"][0][h]
+                w = kw["mix"][0][h]
                 vd, kd = np.linalg.norm(vv - vbar, axis=1), -cos(kk, anchor)
                 z = lambda x: (x - x[val].mean()) / np.sqrt(x[val].var() + 1e-12)  # noqa: E731
                 s = vd if w == 1 else kd if w == 0 else w * z(vd) + (1 - w) * z(kd)
@@ -97,9 +100,9 @@ HYBRID_W = ((0.3, 1.0, 0.0),)  # layer 0: a mix, pure ValueDiff, pure KeyDiff (K
 @pytest.mark.parametrize("name", POLICY_NAMES)
 def test_score_matches_numpy(name):
     k, v, pos, probs, q_pos, acc = _inputs()
-    kw = {"snapkv": {"window": 3}, "hybrid": {"weights": HYBRID_W}}.get(name, {})
+    kw = {"snapkv": {"window": 3}, "hybrid": {"mix": HYBRID_W}}.get(name, {})
     attn = P.AttnInfo(jnp.asarray(probs), jnp.asarray(q_pos), jnp.asarray(acc))
-    got = np.asarray(vdjax.get_policy(name)(k, v, attn, jnp.asarray(pos), budget=N, **kw))
+    got = np.asarray(vdjax.get_policy(name)(k, v, attn, jnp.asarray(pos), slots=N, **kw))
     ref = _ref_scores(name, k, v, pos, probs, q_pos, acc, N, **kw)
     valid = pos >= 0
     np.testing.assert_allclose(got[valid], ref[valid], rtol=2e-5, atol=1e-6)
@@ -110,11 +113,11 @@ def test_snapkv_avg_pooling_matches_numpy_and_binds_its_kernel():
     k, v, pos, probs, q_pos, acc = _inputs(seed=2)
     attn = P.AttnInfo(jnp.asarray(probs), jnp.asarray(q_pos), jnp.asarray(acc))
     pol = vdjax.get_policy("snapkv")
-    got = np.asarray(pol(k, v, attn, jnp.asarray(pos), budget=N, window=3, pooling="avg"))
+    got = np.asarray(pol(k, v, attn, jnp.asarray(pos), slots=N, window=3, pooling="avg"))
     ref = _ref_scores("snapkv", k, v, pos, probs, q_pos, acc, N, window=3, pooling="avg")
     valid = pos >= 0
     np.testing.assert_allclose(got[valid], ref[valid], rtol=2e-5, atol=1e-6)
-    mx = np.asarray(pol(k, v, attn, jnp.asarray(pos), budget=N, window=3))
+    mx = np.asarray(pol(k, v, attn, jnp.asarray(pos), slots=N, window=3))
     assert not np.allclose(mx[valid & np.isfinite(mx)], got[valid & np.isfinite(mx)])
     assert dict(pol.bind_hyper(None, pol.hyper())) == {"kernel": 7, "pooling": "max", "window": 32}
     assert dict(pol.bind_hyper(None, pol.hyper(pooling="avg"))) == {"kernel": 5, "pooling": "avg", "window": 32}
@@ -132,8 +135,8 @@ def test_invalid_slots_do_not_change_means(name):
     k2[pos < 0] = 1e3
     v2[pos < 0] = -1e3
     pol = vdjax.get_policy(name)
-    a = np.asarray(pol(k, v, attn, jnp.asarray(pos), budget=N))
-    b = np.asarray(pol(k2, v2, attn, jnp.asarray(pos), budget=N))
+    a = np.asarray(pol(k, v, attn, jnp.asarray(pos), slots=N))
+    b = np.asarray(pol(k2, v2, attn, jnp.asarray(pos), slots=N))
     np.testing.assert_allclose(a[pos >= 0], b[pos >= 0], rtol=1e-6)
 
 
@@ -180,7 +183,7 @@ def test_single_destination_is_the_keep_mask_minimum():
 
 def test_topk_gather_and_slot_replacement_agree():
     k, v, pos, probs, q_pos, acc = _inputs(seed=4)
-    scores = np.asarray(vdjax.get_policy("valuediff")(k, v, None, jnp.asarray(pos), budget=N))
+    scores = np.asarray(vdjax.get_policy("valuediff")(k, v, None, jnp.asarray(pos), slots=N))
     gk, gv, gp = (np.asarray(x) for x in vc.topk_gather(k, v, jnp.asarray(pos), scores, N))
     keep = np.asarray(vc.keep_mask(jnp.asarray(scores), jnp.asarray(pos), N))
     old_pos, dest = (np.asarray(x) for x in vc.block_destinations(jnp.asarray(keep), jnp.asarray(pos), N))
@@ -201,19 +204,19 @@ def test_protect_and_combine():
     k, v, pos, probs, q_pos, acc = _inputs(seed=5)
     attn = P.AttnInfo(jnp.asarray(probs), jnp.asarray(q_pos), jnp.asarray(acc))
     jpos = jnp.asarray(pos)
-    base = np.asarray(vdjax.get_policy("valuediff")(k, v, attn, jpos, budget=N))
-    sinks = np.asarray(vdjax.get_policy("valuediff+sinks12")(k, v, attn, jpos, budget=N))
+    base = np.asarray(vdjax.get_policy("valuediff")(k, v, attn, jpos, slots=N))
+    sinks = np.asarray(vdjax.get_policy("valuediff+sinks12")(k, v, attn, jpos, slots=N))
     assert np.all(np.isposinf(sinks[(pos >= 0) & (pos < 12)]))
     np.testing.assert_array_equal(sinks[pos >= 12], base[pos >= 12])
-    recent = np.asarray(vdjax.protect_recent("keynorm", 3)(k, v, attn, jpos, budget=N))
+    recent = np.asarray(vdjax.protect_recent("keynorm", 3)(k, v, attn, jpos, slots=N))
     assert np.all(np.isposinf(recent[pos > q_pos.max(1)[:, None, None] - 3]))
     # a single standardised policy keeps the same set; weights mix z-scores
     one = vdjax.combine({"valuediff": 2.0})
     keep_a = np.asarray(vc.keep_mask(jnp.asarray(base), jpos, 6))
-    keep_b = np.asarray(vc.keep_mask(one(k, v, attn, jpos, budget=N), jpos, 6))
+    keep_b = np.asarray(vc.keep_mask(one(k, v, attn, jpos, slots=N), jpos, 6))
     np.testing.assert_array_equal(keep_a, keep_b)
-    mix = np.asarray(vdjax.combine({"valuediff": 0.5, "keydiff": 0.5})(k, v, attn, jpos, budget=N))
-    kd = np.asarray(vdjax.get_policy("keydiff")(k, v, attn, jpos, budget=N))
+    mix = np.asarray(vdjax.combine({"valuediff": 0.5, "keydiff": 0.5})(k, v, attn, jpos, slots=N))
+    kd = np.asarray(vdjax.get_policy("keydiff")(k, v, attn, jpos, slots=N))
 
     def z(s):
         out = np.zeros_like(s)
@@ -243,7 +246,26 @@ def test_jit_equals_eager_scores():
     attn = P.AttnInfo(jnp.asarray(probs), jnp.asarray(q_pos), jnp.asarray(acc))
     for name in POLICY_NAMES:
         pol = vdjax.get_policy(name)
-        kw = {"weights": HYBRID_W} if name == "hybrid" else {}
-        eager = np.asarray(pol(k, v, attn, jnp.asarray(pos), budget=N, **kw))
-        jitted = np.asarray(jax.jit(lambda a, b, c, d: pol(a, b, c, d, budget=N, **kw))(k, v, attn, jnp.asarray(pos)))
-        np.testing.assert_allclose(jitted, eager, rtol=1e-5, atol=1e-6, err_msg=name)
+        kw = {"mix": HYBRID_W} if name == "hybrid" else {}
+        eager = pol(k, v, attn, jnp.asarray(pos), slots=N, **kw)
+        jitted = jax.jit(lambda a, b, c, d: pol(a, b, c, d, slots=N, **kw))(k, v, attn, jnp.asarray(pos))
+        chex.assert_shape([eager, jitted], (B, K, C))
+        chex.assert_trees_all_close(jitted, eager, rtol=1e-5, atol=1e-6, custom_message=name)
+
+
+def test_register_refuses_to_replace_a_builtin_unless_asked():
+    own = P.Policy("keynorm", lambda k, v, attn, pos, **_: -P._norm(k))
+    with pytest.raises(ValueError, match="policy 'keynorm' is built in; pass replace=True"):
+        vdjax.register(own)
+    with pytest.raises(TypeError, match="register takes a vdjax Policy"):
+        vdjax.register("keynorm")
+    builtin = vdjax.POLICIES["keynorm"]
+    try:
+        assert vdjax.register(own, replace=True) is own and vdjax.get_policy("keynorm") is own
+    finally:
+        vdjax.register(builtin, replace=True)
+    mine = vdjax.register(P.Policy("mine", lambda k, v, attn, pos, **_: -P._norm(k)))
+    try:
+        assert vdjax.register(dataclasses.replace(mine)) is not mine  # your own policy: replaced freely
+    finally:
+        del vdjax.POLICIES["mine"]

@@ -330,13 +330,13 @@ def test_fit_finds_the_largest_size():
     count = lambda n: 3 * n + 7 + (n % 2)  # noqa: E731  (non-decreasing)
     best = max(n for n in range(1, 2000) if count(n) <= 1000)
     for guess in (None, 1, 5, best - 1, best, best + 1, best + 300, 10_000):
-        got = ruler._fit(make, count, 1000, lo=1, hi=None, guess=guess, what="t")
+        got = ruler._fit_haystack(make, count, 1000, lo=1, hi=None, guess=guess, what="t")
         assert got == (best, best, count(best), count(best + 1)), guess
-    assert ruler._fit(make, count, 1000, lo=1, hi=100, guess=None, what="t") == (100, 100, 307, None)
-    got = ruler._fit(make, count, 1000, lo=1, hi=best + 1, guess=5, what="t")
+    assert ruler._fit_haystack(make, count, 1000, lo=1, hi=100, guess=None, what="t") == (100, 100, 307, None)
+    got = ruler._fit_haystack(make, count, 1000, lo=1, hi=best + 1, guess=5, what="t")
     assert got == (best, best, count(best), count(best + 1))
     with pytest.raises(ValueError, match="length=5 is too small for t"):
-        ruler._fit(make, count, 5, lo=1, hi=None, guess=None, what="t")
+        ruler._fit_haystack(make, count, 5, lo=1, hi=None, guess=None, what="t")
 
 
 def test_bad_input():

@@ -23,7 +23,7 @@ def test_says_how_to_create_the_kvpress_venv(tmp_path):
     assert "Nothing was measured" in out.stdout and not md.exists()
 
 
-@pytest.mark.skipif(not KVPRESS_PYTHON.exists(), reason="no .venv-kvpress (see bench/README.md, vs_kvpress.py)")
+@pytest.mark.skipif(not KVPRESS_PYTHON.exists(), reason="optional: no .venv-kvpress (see bench/README.md, vs_kvpress.py)")
 def test_tiny_keydiff_run_agrees_at_layer_0(tmp_path, smollm2_dir):
     md = tmp_path / "vs.md"
     out = subprocess.run([sys.executable, str(SCRIPT), "--model", str(smollm2_dir), "--lengths", "384", "--budget",

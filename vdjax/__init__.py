@@ -5,6 +5,7 @@
     out = vdjax.generate(params, ids, policy="valuediff", budget=256)
 """
 
+from vdjax import hybrid as _hybrid  # noqa: F401  (registers the "hybrid" policy)
 from vdjax.cache import KVCache, LayerCache, keep_mask, topk_gather
 from vdjax.pipeline import Generation, generate, prefill, run
 from vdjax.policies import POLICIES, AttnInfo, Policy, combine, get_policy, protect_recent, protect_sinks, register

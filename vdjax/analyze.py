@@ -1,4 +1,4 @@
-"""`vdjax analyze`: KV-geometry tables and figures of one model, hybrid weights, and the all-models scatter.
+"""`vdjax analyze`: KV-geometry tables and figures of one model, hybrid mixes, and the all-models scatter.
 
 Writes under OUT/<model>/: geometry.json (every per-head statistic), layers.csv, heads.csv, summary.md,
 sigma_per_layer.png, sink_rate_per_layer.png, ratio_per_layer.png, bos_cos_per_layer.png,
@@ -25,12 +25,12 @@ AGG_COLUMNS = ("sink_rate", "sigma_k", "sigma_v", "ratio", "bos_attn", "bos_cos"
                "jaccard_std")
 LAYER_COLUMNS = ("sigma_k", "sigma_k_std", "sigma_v", "sigma_v_std", "ratio", "sink_rate", "bos_attn", "bos_cos",
                  "w_ratio", "s1_ratio", "jaccard")
-_LABELS = {"sink_rate": "sink rate", "sigma_k": "σK", "sigma_v": "σV", "ratio": "σV/σK", "bos_attn": "ᾱ_BOS",
+LABELS = {"sink_rate": "sink rate", "sigma_k": "σK", "sigma_v": "σV", "ratio": "σV/σK", "bos_attn": "ᾱ_BOS",
            "bos_cos": "BOS key cos", "w_ratio": "‖W_V‖/‖W_K‖", "s1_ratio": "σ1(V)/σ1(K)", "jaccard": "top-k Jaccard",
            "jaccard_std": "Jaccard std (layers)"}
 
 
-def _fmt(x: Any, digits: int = 3) -> str:
+def fmt(x: Any, digits: int = 3) -> str:
     """A number for a table (blank for missing)."""
     if x is None or (isinstance(x, float) and not np.isfinite(x)):
         return ""
@@ -66,7 +66,7 @@ def write_model(geo: G.Geometry, folder: Path, extra_md: str = "") -> dict[str, 
         w = csv.writer(f)
         w.writerow(("layer", "window") + LAYER_COLUMNS)
         for i in range(len(geo.windows)):
-            w.writerow([i, geo.windows[i] or ""] + [_fmt(float(pl[c][i]), 6) for c in LAYER_COLUMNS])
+            w.writerow([i, geo.windows[i] or ""] + [fmt(float(pl[c][i]), 6) for c in LAYER_COLUMNS])
     with open(paths["heads"], "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(("layer", "kind", "head", "statistic", "value"))
@@ -74,23 +74,23 @@ def write_model(geo: G.Geometry, folder: Path, extra_md: str = "") -> dict[str, 
             kind = "kv" if name in G.HEAD_FIELDS else "query"
             for i, row in enumerate(arr):
                 for h, x in enumerate(row):
-                    w.writerow([i, kind, h, name, _fmt(float(x), 6)])
+                    w.writerow([i, kind, h, name, fmt(float(x), 6)])
     agg = geo.aggregate()
     lines = [f"# KV geometry: {geo.model}", "",
              f"{len(geo.prompts)} prompts ({', '.join(sorted({p['category'] for p in geo.prompts}))}), "
              f"{min(p['tokens'] for p in geo.prompts)}-{max(p['tokens'] for p in geo.prompts)} tokens; "
              f"τ = {geo.settings['tau']}, top-{geo.settings['topk']} Jaccard over {geo.settings['n_queries']} "
              f"query positions on {geo.settings['jaccard_prompts']} prompts.", "",
-             "| " + " | ".join(_LABELS[c] for c in AGG_COLUMNS) + " |",
+             "| " + " | ".join(LABELS[c] for c in AGG_COLUMNS) + " |",
              "|" + "---|" * len(AGG_COLUMNS),
-             "| " + " | ".join(_fmt(agg[c]) for c in AGG_COLUMNS) + " |", "",
+             "| " + " | ".join(fmt(agg[c]) for c in AGG_COLUMNS) + " |", "",
              "## Per layer", "",
              "| layer | window | σK | σV | σV/σK | sink rate | ᾱ_BOS | BOS key cos | ‖W_V‖/‖W_K‖ | σ1(V)/σ1(K) | Jaccard |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for i in range(len(geo.windows)):
         cells = [pl[c][i] for c in ("sigma_k", "sigma_v", "ratio", "sink_rate", "bos_attn", "bos_cos", "w_ratio",
                                     "s1_ratio", "jaccard")]
-        lines.append(f"| {i} | {geo.windows[i] or 'global'} | " + " | ".join(_fmt(float(x)) for x in cells) + " |")
+        lines.append(f"| {i} | {geo.windows[i] or 'global'} | " + " | ".join(fmt(float(x)) for x in cells) + " |")
     paths["md"].write_text("\n".join(lines) + "\n" + extra_md)
     paths.update(_layer_figures(geo, folder))
     return paths
@@ -98,16 +98,14 @@ def write_model(geo: G.Geometry, folder: Path, extra_md: str = "") -> dict[str, 
 
 def _layer_figures(geo: G.Geometry, folder: Path) -> dict[str, Path]:
     """Per-layer PNGs: sigma_k/sigma_v (head-std error bars), sink rate, sigma_v/sigma_k, BOS cos, Jaccard."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: a library call never switches the user's backend
 
     pl, x = geo.per_layer(), np.arange(len(geo.windows))
     out = {}
 
     def figure(name, draw, ylabel, hline=None):
-        fig, ax = plt.subplots(figsize=(7, 3.2))
+        fig = Figure(figsize=(7, 3.2))
+        ax = fig.subplots()
         draw(ax)
         if hline is not None:
             ax.axhline(hline, color="k", ls="--", lw=0.8)
@@ -118,7 +116,6 @@ def _layer_figures(geo: G.Geometry, folder: Path) -> dict[str, Path]:
         fig.tight_layout()
         path = folder / f"{name}.png"
         fig.savefig(path, dpi=120)
-        plt.close(fig)
         out[name] = path
 
     def sigmas(ax):
@@ -163,9 +160,9 @@ def write_models(out: Path, paper: bool = True) -> dict[str, Path]:
         w = csv.writer(f)
         w.writerow(cols)
         for r in rows:
-            w.writerow([_fmt(r.get(c)) for c in cols])
-    md = ["| model | source | " + " | ".join(_LABELS[c] for c in AGG_COLUMNS) + " |", "|---|---|" + "---|" * len(AGG_COLUMNS)]
-    md += ["| " + " | ".join([r["model"], r["source"]] + [_fmt(r.get(c)) for c in AGG_COLUMNS]) + " |" for r in rows]
+            w.writerow([fmt(r.get(c)) for c in cols])
+    md = ["| model | source | " + " | ".join(LABELS[c] for c in AGG_COLUMNS) + " |", "|---|---|" + "---|" * len(AGG_COLUMNS)]
+    md += ["| " + " | ".join([r["model"], r["source"]] + [fmt(r.get(c)) for c in AGG_COLUMNS]) + " |" for r in rows]
     paths["md"].write_text("\n".join(md) + "\n")
     _scatter(rows, paths["png"])
     return paths
@@ -173,12 +170,10 @@ def write_models(out: Path, paper: bool = True) -> dict[str, Path]:
 
 def _scatter(rows: list[dict], path: Path) -> None:
     """Figure 1: sink rate (x) vs sigma_v/sigma_k (y), the value-dominant region (y > 1) shaded."""
-    import matplotlib
+    from matplotlib.figure import Figure  # no pyplot: a library call never switches the user's backend
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4.2))
+    fig = Figure(figsize=(6, 4.2))
+    ax = fig.subplots()
     ax.axhspan(1.0, 10, color="C2", alpha=0.08, lw=0)
     ax.axhline(1.0, color="k", ls="--", lw=0.8)
     for r in rows:
@@ -196,16 +191,15 @@ def _scatter(rows: list[dict], path: Path) -> None:
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
-    plt.close(fig)
 
 
 # ---- the command ----------------------------------------------------------------------------------------
-def run(model: str, out: str | os.PathLike, *, prompts_file: str | None = None, length: int = 2048,
+def analyze_model(model: str, out: str | os.PathLike, *, prompts_file: str | None = None, length: int = 2048,
         per_category: int = 4, tau: float = G.TAU, topk: int = G.TOPK, n_queries: int = G.N_QUERIES,
         jaccard_prompts: int = 8, fit: bool = False, budget: int = 256, block_size: int = 128,
         fit_prompts: int = 4, fit_steps: int = 60, per_head: bool = False, save_to_model: bool = True,
         console=None) -> dict[str, Any]:
-    """Analyse `model` into OUT/<model>/, write hybrid weights (geometry rule; fitted with `fit`), refresh
+    """Analyse `model` into OUT/<model>/, write hybrid mixes (geometry rule; fitted with `fit`), refresh
     OUT's all-models table and scatter. Returns {"geometry": Geometry, "paths": {...}, "hybrid": {...}}."""
     import vdjax
     from vdjax.calibration import calibration_prompts, prompts_from_file
@@ -225,44 +219,44 @@ def run(model: str, out: str | os.PathLike, *, prompts_file: str | None = None, 
     geo = G.analyze(params, prompts, model=name, tau=tau, topk=topk, n_queries=n_queries,
                     jaccard_prompts=jaccard_prompts, progress=console is not None)
     hyb: dict[str, Any] = {}
-    w_geo = HY.geometry_weights(geo, per_head=per_head)
+    w_geo = HY.geometry_mix(geo, per_head=per_head)
     hyb["geometry"] = w_geo
     info = {"per_head": per_head, "rule": "w = 1 - (1 - clip((r - 0.5) / 0.5)) * clip(bos_cos / -0.3)"}
-    paths = {"hybrid-geometry": HY.save_weights(folder / "hybrid-geometry.json", w_geo, method="geometry",
+    paths = {"hybrid-geometry": HY.save_mix(folder / "hybrid-geometry.json", w_geo, method="geometry",
                                                 model=name, info=info)}
-    extra = f"\n## Hybrid weights\n\ngeometry rule ({'per head' if per_head else 'per layer'}): {HY.describe(w_geo)}\n"
+    extra = f"\n## Hybrid mix\n\ngeometry rule ({'per head' if per_head else 'per layer'}): {HY.describe(w_geo)}\n"
     if fit:
         ids = [list(p.ids) for p in prompts]
         if len(ids) < 2:
             raise ValueError("--fit needs at least 2 prompts (fitting ones plus one held out)")
         n_fit = min(fit_prompts, len(ids) - 1)
         held = ids[n_fit]  # the next prompt (another category when built in) is held out
-        say(f"fit hybrid weights on {n_fit} prompts (N={budget}, B={block_size}, {fit_steps} Adam steps per layer)")
+        say(f"fit the hybrid mix on {n_fit} prompts (N={budget}, B={block_size}, {fit_steps} Adam steps per layer)")
         w_fit, fit_info = HY.fit(params, ids[:n_fit], budget=budget, block=block_size, per_head=per_head,
                                  w0=w_geo, steps=fit_steps, progress=console is not None)
         hyb["fitted"] = w_fit
-        errors = HY.evaluate(params, [held], {"fitted": w_fit, "geometry": w_geo,
+        errors = HY.held_out_error(params, [held], {"fitted": w_fit, "geometry": w_geo,
                                               "valuediff": np.ones_like(w_fit), "keydiff": np.zeros_like(w_fit)},
                              budget=budget, block=block_size)
         hyb["held_out_error"] = {k: float(v.mean()) for k, v in errors.items()}
         fit_meta = {"per_head": per_head, "budget": budget, "block_size": block_size, "steps": fit_steps,
                     "fit_prompts": [p.name for p in prompts[:n_fit]], "held_out": prompts[n_fit].name,
                     "held_out_error_per_layer": {k: v.tolist() for k, v in errors.items()}, "layers": fit_info}
-        paths["hybrid-fitted"] = HY.save_weights(folder / "hybrid-fitted.json", w_fit, method="fitted", model=name,
+        paths["hybrid-fitted"] = HY.save_mix(folder / "hybrid-fitted.json", w_fit, method="fitted", model=name,
                                                  info=fit_meta)
         extra += (f"\nfitted (N={budget}, B={block_size}, on {n_fit} prompts): {HY.describe(w_fit)}\n\n"
                   f"Attention-output error of block eviction on the held-out prompt {prompts[n_fit].name!r} "
-                  f"(relative, mean over layers):\n\n| weights | error |\n|---|---|\n"
+                  f"(relative, mean over layers):\n\n| mix | error |\n|---|---|\n"
                   + "".join(f"| {k} | {v:.4f} |\n" for k, v in hyb["held_out_error"].items()))
     if save_to_model and params.source is not None:
         for method in hyb.keys() & set(HY.METHODS):
-            target = HY.model_weights_path(params, method)
+            target = HY.mix_path(params, method)
             try:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(paths[f"hybrid-{method}"], target)
                 paths[f"model-{method}"] = target
             except OSError as e:  # a read-only checkpoint folder: the copy under OUT still works by path
-                say(f"could not save {method} weights next to the model ({e}); use weights={paths[f'hybrid-{method}']}")
+                say(f"could not save the {method} mix next to the model ({e}); use mix={paths[f'hybrid-{method}']}")
     paths.update(write_model(geo, folder, extra))
     paths.update({f"all-{k}": v for k, v in write_models(Path(out)).items()})
     return {"geometry": geo, "paths": paths, "hybrid": hyb}

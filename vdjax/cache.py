@@ -139,7 +139,8 @@ def topk_gather(k, v, pos, scores, budget: int):
     """Reference eviction: gather the kept candidates into `budget` slots (k, v [..., C, D], pos [..., C]).
 
     Returns (k [..., N, D], v, pos [..., N]) with empty slots at pos -1. The pipeline uses the equivalent,
-    copy-free `insert_block`; this is the plain operator for research code and tests.
+    copy-free slot replacement (`block_destinations` + `select_slots`); this is the plain operator for
+    research code and tests.
     """
     keep = keep_mask(scores, pos, budget)
     # kept first (in candidate order), then the rest

@@ -34,6 +34,7 @@ from decimal import Decimal
 from fractions import Fraction
 from pathlib import Path
 
+from vdjax import data
 from vdjax.checks import check_int
 
 CATEGORIES = ("narrative", "qa", "code", "math", "retrieval")
@@ -47,12 +48,9 @@ CODE_MODULES = (
 )
 
 _STRIDE = {"narrative": 100_000, "code": 40_000}  # characters between the starts of consecutive indices
-RETRIEVAL_INSTRUCTION = (
-    "Some special magic numbers are hidden within the following text. Make sure to memorize it. "
-    "I will quiz you about the numbers afterwards."
-)
+RETRIEVAL_INSTRUCTION = data.RETRIEVAL_INSTRUCTION
 RETRIEVAL_NEEDLE = "The special magic number for {key} is: {value}."
-RETRIEVAL_QUESTION = "What is the special magic number for {key} mentioned in the provided text?\nAnswer:"
+RETRIEVAL_QUESTION = data.RETRIEVAL_QUESTION + "\nAnswer:"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,25 +65,12 @@ class CalibrationPrompt:
 # ---------------------------------------------------------------------------------------------- sources
 
 
-def _data_file(name: str):
-    """A file of long_context_eval's data/synthetic/json/ folder (RULER's texts)."""
-    from vdjax.eval.ruler import _data_file as ruler_file
-
-    return ruler_file(name)
-
-
-@functools.lru_cache(maxsize=None)
-def _essays() -> str:
-    """All Paul Graham essays, concatenated."""
-    return json.loads(_data_file("PaulGrahamEssays.json").read_text(encoding="utf-8"))["text"]
-
-
 @functools.lru_cache(maxsize=None)
 def _squad() -> tuple[tuple[str, ...], ...]:
     """SQuAD articles, each a tuple of rendered paragraph blocks (context, then its answerable Q/A lines)."""
-    data = json.loads(_data_file("squad.json").read_text(encoding="utf-8"))["data"]
+    articles_data = data.json_file("squad.json")["data"]
     articles = []
-    for article in data:
+    for article in articles_data:
         blocks = []
         for paragraph in article["paragraphs"]:
             qas = [f"Question: {q['question'].strip()}\nAnswer: {q['answers'][0]['text'].strip()}"
@@ -112,10 +97,7 @@ def _code() -> str:
 def _words(name: str) -> tuple[str, ...]:
     """A wonderwords list (nounlist.txt, adjectivelist.txt): its single ASCII words (no "contact lens",
     "e-mail"), sorted and deduplicated, so a key "{adjective}-{noun}" is one word, one hyphen, one word."""
-    from wonderwords import random_word
-
-    words = random_word._get_words_from_text_file(name)
-    return tuple(sorted({w for w in words if w.isascii() and w.isalpha()}))
+    return tuple(sorted({w for w in data.words(name) if w.isascii() and w.isalpha()}))
 
 
 def _rng(category: str, index: int) -> random.Random:
@@ -135,7 +117,7 @@ def _slice(corpus: str, start: int, min_chars: int) -> str:
 
 def _essay(offset: int, min_chars: int) -> str:
     """At least min_chars characters of the essays from the first sentence start at or after offset."""
-    essays = _essays()
+    essays = data.essays()
     offset %= len(essays)
     start = re.compile(r"[.!?]\s*(?=[A-Z])").search(essays, offset) if offset else None
     return _slice(essays, start.end() if start else 0, min_chars).strip()
@@ -383,7 +365,7 @@ def _encode(tokenizer, text: str, special: bool) -> list[int]:
     return [int(t) for t in tokenizer(text, add_special_tokens=special)["input_ids"]]
 
 
-def _fit(tokenizer, category: str, index: int, length: int) -> tuple[int, ...]:
+def _fit_prompt(tokenizer, category: str, index: int, length: int) -> tuple[int, ...]:
     """Exactly `length` ids: the start of the text (doubling min_chars until it is long enough), then its tail
     (retrieval's question) unless that would take more than half of `length`. Retrieval's queried needle lies
     in the kept start from a few hundred tokens on (it ends in the first 45% of min_chars)."""
@@ -412,7 +394,7 @@ def calibration_prompts(tokenizer, length: int = 2048, per_category: int = 4, *,
         _check_category(category)
     if len(set(categories)) != len(categories):
         raise ValueError(f"categories must not repeat a category, got {categories!r}")
-    return [CalibrationPrompt(category, f"{category}-{i}", _fit(tokenizer, category, i, length))
+    return [CalibrationPrompt(category, f"{category}-{i}", _fit_prompt(tokenizer, category, i, length))
             for category in categories for i in range(per_category)]
 
 

@@ -578,17 +578,17 @@ def _task_metric(path: Path):
 
 # ---- analyze -----------------------------------------------------------------------------------------------
 def cmd_analyze(args) -> int:
-    """KV-geometry diagnostics of one model (tables, figures), hybrid weights, and the all-models scatter."""
+    """KV-geometry diagnostics of one model (tables, figures), hybrid mixes, and the all-models scatter."""
     from rich.console import Console
 
-    from vdjax.analyze import run
+    from vdjax.analyze import analyze_model
 
     console = Console()
     if args.prompts and not Path(args.prompts).is_file():
         raise UsageError(f"argument --prompts: {args.prompts!r} is not a file")
     wall = time.perf_counter()
     try:
-        res = run(args.model, args.out, prompts_file=args.prompts, length=args.length,
+        res = analyze_model(args.model, args.out, prompts_file=args.prompts, length=args.length,
                   per_category=args.per_category, tau=args.tau, topk=args.topk, n_queries=args.n_queries,
                   jaccard_prompts=args.jaccard_prompts, fit=args.fit, budget=args.budget,
                   block_size=args.block_size, fit_prompts=args.fit_prompts, fit_steps=args.fit_steps,
@@ -599,12 +599,12 @@ def cmd_analyze(args) -> int:
     agg = geo.aggregate()
     from rich.table import Table
 
-    from vdjax.analyze import AGG_COLUMNS, _LABELS, _fmt
+    from vdjax.analyze import AGG_COLUMNS, LABELS, fmt
 
     table = Table(title=f"KV geometry of {geo.model} ({len(geo.prompts)} prompts)")
     for c in AGG_COLUMNS:
-        table.add_column(_LABELS[c], justify="right")
-    table.add_row(*[_fmt(agg[c]) for c in AGG_COLUMNS])
+        table.add_column(LABELS[c], justify="right")
+    table.add_row(*[fmt(agg[c]) for c in AGG_COLUMNS])
     console.print(table)
     if "held_out_error" in res["hybrid"]:
         console.print("held-out attention-output error: " + ", ".join(
@@ -723,7 +723,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("source", metavar="SOURCE", help="a predictions.jsonl or a folder of them")
     r.set_defaults(func=cmd_rescore)
 
-    a = sub.add_parser("analyze", help="KV-geometry diagnostics (σV/σK, sinks, BOS, Jaccard) + hybrid weights")
+    a = sub.add_parser("analyze", help="KV-geometry diagnostics (σV/σK, sinks, BOS, Jaccard) + hybrid mixes")
     a.add_argument("--model", default="smollm2-135m", help="registered name or HF checkpoint folder")
     a.add_argument("--out", default="results/geometry", help="output folder (one subfolder per model)")
     a.add_argument("--prompts", help="own calibration prompts: .jsonl ({\"text\": ...} per line) or .txt ('---' "
@@ -734,7 +734,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--topk", type=_int_at_least(0), default=256, help="Jaccard top-k (0 = skip Jaccard)")
     a.add_argument("--n-queries", type=_int_at_least(2), default=128, help="Jaccard query positions")
     a.add_argument("--jaccard-prompts", type=_int_at_least(0), default=8)
-    a.add_argument("--fit", action="store_true", help="also fit hybrid weights with optax")
+    a.add_argument("--fit", action="store_true", help="also fit the hybrid mix with optax")
     a.add_argument("--budget", type=positive, default=256, help="cache budget N the fit targets")
     a.add_argument("--block-size", type=positive, default=128)
     a.add_argument("--fit-prompts", type=positive, default=4)

@@ -122,9 +122,7 @@ def weight_norms(wk: np.ndarray, wv: np.ndarray) -> tuple[np.ndarray, np.ndarray
 @functools.partial(jax.jit, static_argnames=("cfg", "window"))
 def _layer(lw, x, pos, inv_freq, *, cfg, window):
     """One dense layer on x [1, T, H] -> (x, k [K, T, D], v [K, T, D], probs [Nq, T, T])."""
-    empty = jnp.zeros((1, cfg.num_kv_heads, 0, cfg.head_dim), x.dtype)
-    x, k, v, probs = tf.layer_forward(lw, x, pos, empty, empty, jnp.zeros((1, cfg.num_kv_heads, 0), jnp.int32),
-                                      cfg, inv_freq, window)
+    x, k, v, probs = tf.dense_layer(lw, x, pos, cfg, inv_freq, window)
     t = x.shape[1]
     return x, k[0].astype(jnp.float32), v[0].astype(jnp.float32), probs[0].reshape(-1, t, t)
 

@@ -1,8 +1,10 @@
-"""Key/value hybrid eviction: per layer (and KV head) weights w mixing standardised ValueDiff and KeyDiff.
+"""Key/value hybrid eviction: a per layer (and KV head) mix w of standardised ValueDiff and KeyDiff.
 
-The score itself is `vdjax.policies.hybrid` (w = 1 is ValueDiff, w = 0 KeyDiff, exactly). This module sets w:
+The policy `hybrid` (registered here) scores w * z(ValueDiff) + (1 - w) * z(KeyDiff), z = per-head
+standardisation over the valid candidates; w = 1 is ValueDiff and w = 0 KeyDiff, exactly. Its keyword `mix`
+is w per layer and KV head ([L][K]); this module also sets it:
 
-- `geometry_weights`: from measured geometry, the paper's two-axis picture (§4.4, Figure 2). KeyDiff leads only
+- `geometry_mix`: from measured geometry, the paper's two-axis picture (§4.4, Figure 2). KeyDiff leads only
   where the BOS key is a geometric outlier (bos_cos < 0) *and* keys are more dispersed than values
   (sigma_v / sigma_k < 1); everywhere else ValueDiff leads. With a = clip((r - r_lo) / (r_hi - r_lo), 0, 1)
   (value dominance, r = sigma_v / sigma_k) and b = clip(bos_cos / cos_lo, 0, 1) (anchor strength),
@@ -17,11 +19,12 @@ The score itself is `vdjax.policies.hybrid` (w = 1 is ValueDiff, w = 0 KeyDiff, 
   b + 1, which attend to the kept cache plus their own block: sum ||o_full - o_kept||^2 / sum ||o_full||^2.
   Hard top-N is relaxed for the gradient (the current block's keep decision becomes
   sigmoid((s - threshold) / temperature), temperature annealed; earlier blocks follow the hard decisions).
-  The relaxed optimum is then compared with w = 0, w = 1 and the geometry weights by the exact hard error, and
+  The relaxed optimum is then compared with w = 0, w = 1 and the geometry mix by the exact hard error, and
   the best of them is kept, so a fitted layer is never worse on the calibration prompts than either endpoint.
 
-Weights are saved as small JSON files next to the model (`<checkpoint>/vdjax-hybrid/{fitted,geometry}.json`);
-`generate(params, ids, policy="hybrid", budget=N)` uses the fitted ones if present, else the geometry ones.
+Mixes are saved as small JSON files next to the model (`<checkpoint>/vdjax-hybrid/{fitted,geometry}.json`);
+`generate(params, ids, policy="hybrid", budget=N)` uses the fitted one if present, else the geometry one (the
+policy declares this calibration: `Policy.calibration`, so `vdjax eval` runs it only where it exists).
 """
 
 from __future__ import annotations
@@ -39,33 +42,67 @@ import numpy as np
 from vdjax.cache import keep_mask
 from vdjax.models import transformer as tf
 from vdjax.models.params import Params
-from vdjax.policies import _standardize, keydiff, mix, valuediff
+from vdjax.policies import BUILTIN, Policy, keydiff, register, standardize, valid_mask, valuediff
 
 FORMAT = "vdjax-hybrid/1"
 FOLDER = "vdjax-hybrid"
 METHODS = ("fitted", "geometry")
 
 
-# ---- weights: checking, saving, loading -----------------------------------------------------------------
-def check_weights(weights: Any, num_layers: int, num_kv_heads: int) -> tuple[tuple[float, ...], ...]:
+# ---- the policy -----------------------------------------------------------------------------------------
+def mix_scores(vd: jax.Array, kd: jax.Array, valid: jax.Array, w) -> jax.Array:
+    """w * z(vd) + (1 - w) * z(kd) per head (w [K] or scalar); exactly vd where w == 1 and kd where w == 0."""
+    w = jnp.asarray(w, jnp.float32).reshape(-1)[None, :, None]  # [1, K or 1, 1]
+    mixed = w * standardize(vd, valid) + (1.0 - w) * standardize(kd, valid)
+    return jnp.where(w == 1.0, vd, jnp.where(w == 0.0, kd, mixed))
+
+
+def hybrid(k, v, attn, pos, *, mix=None, **_):
+    """Hybrid: w * z(ValueDiff) + (1 - w) * z(KeyDiff), w per layer and KV head (mix [L][K] in [0, 1])."""
+    if mix is None:
+        raise ValueError("policy 'hybrid' needs its mix: pass mix=[...] or load a model with saved mixes "
+                         "(`vdjax analyze --model M --fit`)")
+    w = mix[attn.layer]  # [K] static floats
+    vd, kd = valuediff(k, v, attn, pos), keydiff(k, v, attn, pos)
+    if all(x == 1.0 for x in w):
+        return vd
+    if all(x == 0.0 for x in w):
+        return kd
+    return mix_scores(vd, kd, valid_mask(pos), w)
+
+
+def _bind(params, hyper):
+    """Resolve hybrid's `mix` keyword (None, "fitted", "geometry", a JSON path, numbers) against the model."""
+    hyper = dict(hyper)
+    hyper["mix"] = resolve_mix(params, hyper.get("mix"))
+    return tuple(sorted(hyper.items()))
+
+
+def calibrated(folder) -> bool:
+    """Whether a checkpoint folder holds saved mixes (`vdjax analyze --model M [--fit]`)."""
+    return folder is not None and any((Path(folder) / FOLDER / f"{m}.json").is_file() for m in METHODS)
+
+
+# ---- mixes: checking, saving, loading -----------------------------------------------------------------
+def check_mix(mix: Any, num_layers: int, num_kv_heads: int) -> tuple[tuple[float, ...], ...]:
     """Weights as a [L][K] tuple of floats in [0, 1] from a number, [L] or [L][K]; ValueError otherwise."""
-    arr = np.asarray(weights, dtype=np.float64)
+    arr = np.asarray(mix, dtype=np.float64)
     if arr.ndim == 0:
         arr = np.full((num_layers, num_kv_heads), float(arr))
     elif arr.ndim == 1 and arr.shape[0] == num_layers:
         arr = np.repeat(arr[:, None], num_kv_heads, axis=1)
     if arr.shape != (num_layers, num_kv_heads):
-        raise ValueError(f"hybrid weights must be a number, [num_layers={num_layers}] or "
-                         f"[num_layers={num_layers}][num_kv_heads={num_kv_heads}], got shape {np.shape(weights)}")
+        raise ValueError(f"hybrid mix must be a number, [num_layers={num_layers}] or "
+                         f"[num_layers={num_layers}][num_kv_heads={num_kv_heads}], got shape {np.shape(mix)}")
     if not np.all((arr >= 0) & (arr <= 1)):
-        raise ValueError(f"hybrid weights must lie in [0, 1] (1 = ValueDiff, 0 = KeyDiff), got min {arr.min()} "
+        raise ValueError(f"hybrid mix must lie in [0, 1] (1 = ValueDiff, 0 = KeyDiff), got min {arr.min()} "
                          f"max {arr.max()}")
     return tuple(tuple(float(x) for x in row) for row in arr)
 
 
-def save_weights(path: str | os.PathLike, weights, *, method: str, model: str, info: dict | None = None) -> Path:
-    """Write weights [L][K] with their provenance to a JSON file; returns the path."""
-    w = np.asarray(weights, np.float64)
+def save_mix(path: str | os.PathLike, mix, *, method: str, model: str, info: dict | None = None) -> Path:
+    """Write a mix [L][K] with its provenance to a JSON file; returns the path."""
+    w = np.asarray(mix, np.float64)
     data = {"format": FORMAT, "method": method, "model": model, "num_layers": int(w.shape[0]),
             "num_kv_heads": int(w.shape[1]), "weights": w.tolist(), **(info or {})}
     path = Path(path)
@@ -76,45 +113,45 @@ def save_weights(path: str | os.PathLike, weights, *, method: str, model: str, i
     return path
 
 
-def load_weights(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a weights JSON file written by `save_weights` (ValueError if it is not one)."""
+def load_mix(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a mix JSON file written by `save_mix` (ValueError if it is not one)."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"hybrid weights file {str(path)!r} does not exist")
+        raise ValueError(f"hybrid mix file {str(path)!r} does not exist")
     data = json.loads(path.read_text())
     if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise ValueError(f"{str(path)!r} is not a vdjax hybrid weights file (format {FORMAT!r})")
+        raise ValueError(f"{str(path)!r} is not a vdjax hybrid mix file (format {FORMAT!r})")
     return data
 
 
-def model_weights_path(params: Params, method: str) -> Path | None:
-    """Where `method` weights of this model live (None when params were not loaded from a folder)."""
+def mix_path(params: Params, method: str) -> Path | None:
+    """Where the `method` mix of this model lives (None when params were not loaded from a folder)."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     return None if params.source is None else Path(params.source) / FOLDER / f"{method}.json"
 
 
-def resolve_weights(params: Params, weights: Any) -> tuple[tuple[float, ...], ...]:
-    """The [L][K] weights meant by `weights`: None (the model's fitted, else geometry file), "fitted",
-    "geometry", a path to a weights JSON, or numbers (one, [L] or [L][K])."""
+def resolve_mix(params: Params, mix: Any) -> tuple[tuple[float, ...], ...]:
+    """The [L][K] mix meant by `mix`: None (the model's fitted, else geometry file), "fitted",
+    "geometry", a path to a mix JSON file, or numbers (one, [L] or [L][K])."""
     cfg = params.config
-    if weights is None or (isinstance(weights, str) and weights in METHODS):
-        methods = METHODS if weights is None else (weights,)
+    if mix is None or (isinstance(mix, str) and mix in METHODS):
+        methods = METHODS if mix is None else (mix,)
         for method in methods:
-            path = model_weights_path(params, method)
+            path = mix_path(params, method)
             if path is not None and path.is_file():
-                return resolve_weights(params, str(path))
+                return resolve_mix(params, str(path))
         where = "its checkpoint folder" if params.source is None else f"{params.source}/{FOLDER}/"
-        raise ValueError(f"policy 'hybrid' found no {'/'.join(methods)} weights in {where}: run "
-                         f"`vdjax analyze --model M [--fit]` first, or pass weights= a number, [L], [L][K] or a "
-                         "weights JSON path")
-    if isinstance(weights, (str, os.PathLike)):
-        data = load_weights(weights)
+        raise ValueError(f"policy 'hybrid' found no {'/'.join(methods)} mix in {where}: run "
+                         f"`vdjax analyze --model M [--fit]` first, or pass mix= a number, [L], [L][K] or a "
+                         "mix JSON path")
+    if isinstance(mix, (str, os.PathLike)):
+        data = load_mix(mix)
         if (data["num_layers"], data["num_kv_heads"]) != (cfg.num_layers, cfg.num_kv_heads):
-            raise ValueError(f"hybrid weights {str(weights)!r} are for {data['num_layers']} layers x "
+            raise ValueError(f"hybrid mix {str(mix)!r} is for {data['num_layers']} layers x "
                              f"{data['num_kv_heads']} KV heads; this model has {cfg.num_layers} x {cfg.num_kv_heads}")
-        weights = data["weights"]
-    return check_weights(weights, cfg.num_layers, cfg.num_kv_heads)
+        mix = data["weights"]
+    return check_mix(mix, cfg.num_layers, cfg.num_kv_heads)
 
 
 # ---- the geometry rule ----------------------------------------------------------------------------------
@@ -127,7 +164,7 @@ def geometry_rule(ratio, bos_cos, *, r_lo: float = 0.5, r_hi: float = 1.0, cos_l
     return 1.0 - (1.0 - a) * b
 
 
-def geometry_weights(geo, *, per_head: bool = False, **rule) -> np.ndarray:
+def geometry_mix(geo, *, per_head: bool = False, **rule) -> np.ndarray:
     """Weights [L, K] from a `vdjax.geometry.Geometry` by `geometry_rule`, per layer (default) or per head."""
     h = geo.heads
     if per_head:
@@ -173,7 +210,7 @@ def _scores(k, v, cand, w):
     """Hybrid scores [P, K, T] of the candidates (as the policy computes them) and their two parts."""
     pos = jnp.where(cand, jnp.arange(cand.shape[-1]), -1)
     vd, kd = valuediff(k, v, None, pos), keydiff(k, v, None, pos)
-    return mix(vd, kd, cand, w), vd, kd, pos
+    return mix_scores(vd, kd, cand, w), vd, kd, pos
 
 
 @functools.partial(jax.jit, static_argnames=("budget", "block", "window"))
@@ -181,7 +218,7 @@ def eviction_error(k, v, rows, w, *, budget: int, block: int, window: int | None
     """Exact (hard top-N) attention-output error of block eviction of one layer, per prompt and KV head.
 
     k, v [P, K, T, D]; rows [P, K, G, nb - 1, q, T] the attention of the measured queries (`query_rows`);
-    w [K] hybrid weights. Returns (error [P, K], energy [P, K]) summed over blocks, queries and query heads.
+    w [K] hybrid mix. Returns (error [P, K], energy [P, K]) summed over blocks, queries and query heads.
     """
     p, kh, t, _ = k.shape
     nb = rows.shape[3] + 1
@@ -200,7 +237,7 @@ def eviction_error(k, v, rows, w, *, budget: int, block: int, window: int | None
 @functools.partial(jax.jit, static_argnames=("budget", "block", "window"))
 def kept_after(k, v, w, *, budget: int, block: int, window: int | None = None):
     """Keep mask [P, K, T] after block-evicting all T // block blocks of one layer's k, v [P, K, T, D]
-    with hybrid weights w [K] (the same decisions `eviction_error` measures)."""
+    with hybrid mix w [K] (the same decisions `eviction_error` measures)."""
     p, kh, t, _ = k.shape
 
     def step(m, b):
@@ -213,7 +250,7 @@ def kept_after(k, v, w, *, budget: int, block: int, window: int | None = None):
 
 
 def _soft_loss(theta, k, v, rows, temp, *, budget, block, window):
-    """Relaxed error / energy of the whole layer for weights sigmoid(theta) (broadcast to [K])."""
+    """Relaxed error / energy of the whole layer for mix sigmoid(theta) (broadcast to [K])."""
     p, kh, t, _ = k.shape
     w = jnp.broadcast_to(jax.nn.sigmoid(theta), (kh,))
     nb = rows.shape[3] + 1
@@ -222,7 +259,7 @@ def _soft_loss(theta, k, v, rows, temp, *, budget, block, window):
         cand, end = _candidates(m, b, block, t, window)
         _, vd, kd, pos = _scores(k, v, cand, w)
         wv = w[None, :, None]
-        s = wv * _standardize(vd, cand) + (1.0 - wv) * _standardize(kd, cand)  # smooth in w at the endpoints too
+        s = wv * standardize(vd, cand) + (1.0 - wv) * standardize(kd, cand)  # smooth in w at the endpoints too
         keep = keep_mask(jax.lax.stop_gradient(s), pos, budget)
         top = jax.lax.top_k(jnp.where(cand, jax.lax.stop_gradient(s), -jnp.inf), min(budget + 1, t))[0]
         evicts = jnp.sum(cand, -1, keepdims=True) > budget
@@ -241,7 +278,7 @@ _loss_and_grad = jax.jit(jax.value_and_grad(_soft_loss), static_argnames=("budge
 
 def fit_layer(k, v, rows, *, budget: int, block: int, window: int | None = None, per_head: bool = False,
               w0=None, steps: int = 60, lr: float = 0.1, temps: tuple[float, float] = (0.5, 0.05)):
-    """Fit one layer's weights [K] with optax (Adam on the relaxed error), then keep the best of {fitted, w0,
+    """Fit one layer's mix [K] with optax (Adam on the relaxed error), then keep the best of {fitted, w0,
     0, 1} by exact error (per head when per_head, else for the whole layer). Returns (w [K], errors dict)."""
     import optax
 
@@ -280,10 +317,8 @@ def fit_layer(k, v, rows, *, budget: int, block: int, window: int | None = None,
 @functools.partial(jax.jit, static_argnames=("cfg", "window"))
 def _layer(lw, x, pos, inv_freq, where, *, cfg, window):
     """One dense layer on x [P, T, H] -> (x, k [P, K, T, D], v, rows [P, K, G, nb-1, q, T] at `where`)."""
-    p, t = x.shape[:2]
-    empty = jnp.zeros((p, cfg.num_kv_heads, 0, cfg.head_dim), x.dtype)
-    x, k, v, probs = tf.layer_forward(lw, x, pos, empty, empty, jnp.zeros((p, cfg.num_kv_heads, 0), jnp.int32),
-                                      cfg, inv_freq, window)
+    t = x.shape[1]
+    x, k, v, probs = tf.dense_layer(lw, x, pos, cfg, inv_freq, window)
     rows = probs[:, :, :, where.reshape(-1), :]  # [P, K, G, R, T]
     rows = rows.reshape(rows.shape[:3] + where.shape + (t,))
     return x, k.astype(jnp.float32), v.astype(jnp.float32), rows
@@ -314,38 +349,43 @@ def trim(prompts: Sequence[Sequence[int]], block: int) -> np.ndarray:
 
 def fit(params: Params, prompts: Sequence[Sequence[int]], *, budget: int, block: int = 128,
         per_head: bool = False, w0=None, steps: int = 60, per_block: int = 16, progress: bool = False):
-    """Fit [L, K] hybrid weights on calibration prompts (id lists); returns (weights, info per layer)."""
+    """Fit [L, K] hybrid mix on calibration prompts (id lists); returns (mix, info per layer)."""
     from tqdm.auto import tqdm
 
     cfg = params.config
     ids = trim(prompts, block)
     w0 = np.full((cfg.num_layers, cfg.num_kv_heads), 0.5) if w0 is None else np.asarray(w0, np.float64)
-    weights, info = np.zeros((cfg.num_layers, cfg.num_kv_heads)), []
+    mix, info = np.zeros((cfg.num_layers, cfg.num_kv_heads)), []
     for i, window, k, v, rows in tqdm(layer_data(params, ids, block, per_block), total=cfg.num_layers,
                                       desc="fit hybrid", unit="layer", disable=not progress):
-        weights[i], layer_info = fit_layer(k, v, rows, budget=budget, block=block, window=window,
+        mix[i], layer_info = fit_layer(k, v, rows, budget=budget, block=block, window=window,
                                            per_head=per_head, w0=w0[i], steps=steps)
         info.append(layer_info)
-    return weights, info
+    return mix, info
 
 
-def evaluate(params: Params, prompts: Sequence[Sequence[int]], weights: dict[str, Any], *, budget: int,
+def held_out_error(params: Params, prompts: Sequence[Sequence[int]], mixes: dict[str, Any], *, budget: int,
              block: int = 128, per_block: int = 16) -> dict[str, np.ndarray]:
-    """Exact relative attention-output error [L] of each named weight set ([L, K] arrays) on `prompts`."""
+    """Exact relative attention-output error [L] of each named mix ([L, K] arrays) on `prompts`."""
     cfg = params.config
     ids = trim(prompts, block)
-    out = {name: np.zeros(cfg.num_layers) for name in weights}
+    out = {name: np.zeros(cfg.num_layers) for name in mixes}
     for i, window, k, v, rows in layer_data(params, ids, block, per_block):
-        for name, w in weights.items():
+        for name, w in mixes.items():
             e, energy = eviction_error(k, v, rows, jnp.asarray(np.asarray(w)[i], jnp.float32), budget=budget,
                                        block=block, window=window)
             out[name][i] = float(jnp.sum(e) / jnp.maximum(jnp.sum(energy), 1e-30))
     return out
 
 
-def describe(weights) -> str:
-    """A one-line summary of weights [L, K]: mean and how many layers lean to values / keys."""
-    w = np.asarray(weights)
+def describe(mix) -> str:
+    """A one-line summary of mix [L, K]: mean and how many layers lean to values / keys."""
+    w = np.asarray(mix)
     lw = w.mean(axis=1)
     return (f"mean w {w.mean():.2f}; layers mostly ValueDiff (w > 0.5): {int((lw > 0.5).sum())}/{len(lw)}, "
             f"pure ValueDiff {int((lw == 1).sum())}, pure KeyDiff {int((lw == 0).sum())}")
+
+
+if "hybrid" not in BUILTIN:  # registered once, beside the paper's policies (vdjax/__init__ imports this module)
+    register(Policy("hybrid", hybrid, (("mix", None),), bind=_bind, calibration=calibrated))
+    BUILTIN.add("hybrid")

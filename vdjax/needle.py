@@ -13,21 +13,13 @@ from __future__ import annotations
 import dataclasses
 import random
 
+from vdjax import data
 from vdjax.prompt import has_chat_template
 
-NOISE = (
-    "The grass is green.",
-    "The sky is blue.",
-    "The sun is yellow.",
-    "Here we go.",
-    "There and back again.",
-)
-NEEDLE = "One of the special magic numbers for {key} is: {value}."
-INSTRUCTION = (
-    "Some special magic numbers are hidden within the following text. Make sure to memorize it. "
-    "I will quiz you about the numbers afterwards."
-)
-QUESTION = "What is the special magic number for {key} mentioned in the provided text?"
+NOISE = tuple(s if s.endswith(".") else s + "." for s in data.NOISE.split(". "))  # RULER's, a sentence each
+NEEDLE = data.NEEDLE.format(type_needle_v="numbers", key="{key}", value="{value}")
+INSTRUCTION = data.RETRIEVAL_INSTRUCTION
+QUESTION = data.RETRIEVAL_QUESTION
 ANSWER_PREFIX = "The special magic number for {key} mentioned in the provided text is"
 
 _ADJECTIVES = (

@@ -68,7 +68,7 @@ def _eviction_plan(policy: Policy, hyper, lc: LayerCache, k_new, v_new, probs, q
     attn = AttnInfo(probs=probs, q_pos=q_pos, acc=acc, layer=layer)
     cand_k = jnp.concatenate([lc.k, k_new], axis=2)  # [B, K, C, D]
     cand_v = jnp.concatenate([lc.v, v_new], axis=2)
-    scores = policy(cand_k, cand_v, attn, cand_pos, budget=n, **dict(hyper))  # [B, K, C]
+    scores = policy(cand_k, cand_v, attn, cand_pos, slots=n, **dict(hyper))  # [B, K, C]
 
     if s == 1:  # decode: one victim per head, found by reductions
         victim = single_destination(scores, cand_pos, n)  # [B, K]
@@ -383,6 +383,45 @@ def prefill(
     x = place(params, p.tokens, p.lengths, mesh)
     return x.real(_prefill(x.params, x.tokens, x.lengths, policy=p.policy, hyper=p.hyper, slots=p.slots,
                            block=p.block, **x.jit_kw))
+
+
+@dataclasses.dataclass
+class PrefillProgram:
+    """The compiled prefill of one call's (bucketed) shapes, with the call's placed inputs.
+
+    `program()` runs it -> (cache, last logits) (rows of a mesh's padding included); `compiled` is the
+    `jax.stages.Compiled` (`.cost_analysis()`, `.memory_analysis()`); `plan` holds the shapes.
+    """
+
+    compiled: Any
+    inputs: tuple
+    plan: Plan
+
+    def __call__(self):
+        return self.compiled(*self.inputs)
+
+
+def compile_prefill(
+    params: Params,
+    ids,
+    policy: Policy | str = "valuediff",
+    budget: int | None = None,
+    block_size: int = 128,
+    *,
+    attention_mask=None,
+    mesh=None,
+    **policy_kwargs,
+) -> PrefillProgram:
+    """Compile the prefill program of this call without running it (arguments as `prefill`).
+
+    Warms the jit cache: a later `prefill` / `generate` / `run` of the same length bucket compiles no prefill
+    program (count with `vdjax.compilation.count_compiles`).
+    """
+    p = plan(params, ids, policy, budget, block_size, 0, attention_mask, **policy_kwargs)
+    x = place(params, p.tokens, p.lengths, mesh)
+    statics = dict(policy=p.policy, hyper=p.hyper, slots=p.slots, block=p.block, **x.jit_kw)
+    compiled = _prefill.lower(x.params, x.tokens, x.lengths, **statics).compile()
+    return PrefillProgram(compiled, (x.params, x.tokens, x.lengths), p)
 
 
 @dataclasses.dataclass

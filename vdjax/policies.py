@@ -2,10 +2,11 @@
 
 Every score function has the signature
 
-    score(k, v, attn, pos, *, budget, **hyper) -> scores [B, K, C] (fp32)
+    score(k, v, attn, pos, *, slots, **hyper) -> scores [B, K, C] (fp32)
 
 over the C = N + S candidates of one layer (the N cache slots, then the block's S new tokens):
-k, v [B, K, C, D] (keys after RoPE), pos [B, K, C] absolute positions (-1 = invalid), attn an `AttnInfo`.
+k, v [B, K, C, D] (keys after RoPE), pos [B, K, C] absolute positions (-1 = invalid), attn an `AttnInfo`,
+`slots` the layer's cache size N (min(N, W - 1) on a sliding layer of window W: it never holds more).
 Scores of invalid candidates are ignored (the pipeline sets them to -inf); means are taken over the valid
 candidates of each head. `+inf` marks a protected token: protected tokens rank above all others.
 Ties keep the earlier position (see `cache.keep_mask`).
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import flax.struct
@@ -175,9 +175,10 @@ def _bind_snapkv(params, hyper):
     return tuple(sorted(hyper.items()))
 
 
-def h2o(k, v, attn, pos, *, budget: int, n_recent: int | None = None, **_):
-    """H2O: accumulated attention (heavy hitters) plus the `n_recent` (default budget // 2) most recent tokens."""
-    recent = budget // 2 if n_recent is None else n_recent
+def h2o(k, v, attn, pos, *, slots: int, n_recent: int | None = None, **_):
+    """H2O: accumulated attention (heavy hitters) plus the `n_recent` most recent tokens (default slots // 2:
+    N // 2 on full-attention layers, min(N, W - 1) // 2 on sliding ones, whose caches are that small)."""
+    recent = slots // 2 if n_recent is None else n_recent
     return jnp.where(_recent(pos, attn, recent), _INF, attn.acc)
 
 
@@ -185,44 +186,6 @@ def fastcaote(k, v, attn, pos, **_):
     """FastCAOTE: alpha_j / (1 - alpha_j) * ||v_j - mean(v)||, alpha = last query's GQA-mean attention."""
     alpha = jnp.mean(attn.last_query(), axis=2)  # [B, K, C]
     return alpha / jnp.maximum(1.0 - alpha, _EPS) * valuediff(k, v, attn, pos)
-
-
-# ---- key/value hybrid -----------------------------------------------------------------------------------
-def mix(vd: jax.Array, kd: jax.Array, valid: jax.Array, w) -> jax.Array:
-    """w * z(vd) + (1 - w) * z(kd) per head (w [K] or scalar); exactly vd where w == 1 and kd where w == 0."""
-    w = jnp.asarray(w, jnp.float32).reshape(-1)[None, :, None]  # [1, K or 1, 1]
-    mixed = w * _standardize(vd, valid) + (1.0 - w) * _standardize(kd, valid)
-    return jnp.where(w == 1.0, vd, jnp.where(w == 0.0, kd, mixed))
-
-
-def hybrid(k, v, attn, pos, *, weights=None, **_):
-    """Hybrid: w * z(ValueDiff) + (1 - w) * z(KeyDiff), w per layer and KV head (weights [L][K] in [0, 1])."""
-    if weights is None:
-        raise ValueError("policy 'hybrid' needs weights: pass weights=[...] or load a model with saved weights "
-                         "(`vdjax analyze --model M --fit`)")
-    w = weights[attn.layer]  # [K] static floats
-    vd, kd = valuediff(k, v, attn, pos), keydiff(k, v, attn, pos)
-    if all(x == 1.0 for x in w):
-        return vd
-    if all(x == 0.0 for x in w):
-        return kd
-    return mix(vd, kd, valid_mask(pos), w)
-
-
-def _hybrid_calibrated(folder) -> bool:
-    """Whether the checkpoint folder holds saved hybrid weights (`vdjax analyze --model M [--fit]`)."""
-    from vdjax.hybrid import FOLDER, METHODS
-
-    return folder is not None and any((Path(folder) / FOLDER / f"{m}.json").is_file() for m in METHODS)
-
-
-def _bind_hybrid(params, hyper):
-    """Resolve hybrid's `weights` keyword (None, "fitted", "geometry", a JSON path, numbers) against the model."""
-    from vdjax.hybrid import resolve_weights
-
-    hyper = dict(hyper)
-    hyper["weights"] = resolve_weights(params, hyper.get("weights"))
-    return tuple(sorted(hyper.items()))
 
 
 # ---- registry -------------------------------------------------------------------------------------------
@@ -263,16 +226,25 @@ class Policy:
         allowed.update(overrides)
         return tuple(sorted(allowed.items()))
 
-    def __call__(self, k, v, attn, pos, *, budget: int, **hyper) -> jax.Array:
+    def __call__(self, k, v, attn, pos, *, slots: int, **hyper) -> jax.Array:
         """Score the candidates (see the module docstring)."""
-        return self.score(k, v, attn, pos, budget=budget, **{**dict(self.defaults), **hyper})
+        return self.score(k, v, attn, pos, slots=slots, **{**dict(self.defaults), **hyper})
 
 
 POLICIES: dict[str, Policy] = {}
 
 
-def register(policy: Policy) -> Policy:
-    """Add a policy to the registry under its name (new policies are one function away)."""
+BUILTIN: set[str] = set()  # vdjax's own policies: `register` replaces them only when asked
+
+
+def register(policy: Policy, *, replace: bool = False) -> Policy:
+    """Add a policy to the registry under its name (new policies are one function away). A built-in policy's
+    name is refused unless `replace=True`; a policy of your own is replaced by registering it again."""
+    if not isinstance(policy, Policy):
+        raise TypeError(f"register takes a vdjax Policy, got {type(policy).__name__}: {policy!r}")
+    if policy.name in BUILTIN and not replace:
+        raise ValueError(f"policy {policy.name!r} is built in; pass replace=True to replace it, or choose "
+                         "another name")
     POLICIES[policy.name] = policy
     return policy
 
@@ -291,9 +263,9 @@ for _p in (
            bind=_bind_snapkv),
     Policy("h2o", h2o, (("n_recent", None),), accumulates=True),
     Policy("fastcaote", fastcaote),
-    Policy("hybrid", hybrid, (("weights", None),), bind=_bind_hybrid, calibration=_hybrid_calibrated),
 ):
     register(_p)
+    BUILTIN.add(_p.name)
 
 
 def default_policies(model=None) -> list[str]:
@@ -322,7 +294,7 @@ class _ProtectRecent:
         return jnp.where(_recent(pos, attn, self.n), _INF, self.base.score(k, v, attn, pos, **kw))
 
 
-def _standardize(s: jax.Array, valid: jax.Array) -> jax.Array:
+def standardize(s: jax.Array, valid: jax.Array) -> jax.Array:
     """Z-score [B, K, C] over the valid finite entries of each head; +inf (protected) stays +inf."""
     finite = valid & jnp.isfinite(s)
     n = jnp.maximum(jnp.sum(finite, axis=-1, keepdims=True), 1)
@@ -341,7 +313,7 @@ class _Combined:
         total = 0.0
         for policy, weight in self.parts:
             own = {name: kw[name] for name, _ in policy.defaults if name in kw}
-            total = total + weight * _standardize(policy(k, v, attn, pos, budget=kw["budget"], **own), valid)
+            total = total + weight * standardize(policy(k, v, attn, pos, slots=kw["slots"], **own), valid)
         return total
 
 
