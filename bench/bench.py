@@ -370,8 +370,8 @@ def klabel(t: int) -> str:
     return f"{t // 1024}k" if t % 1024 == 0 else str(t)
 
 
-# ---- main -----------------------------------------------------------------------------------------------
-def main():
+# ---- the run --------------------------------------------------------------------------------------------
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="registered name or HF checkpoint folder")
     ap.add_argument("--quick", action="store_true", help="small lengths: a smoke run of every section")
@@ -399,81 +399,92 @@ def main():
     ap.add_argument("--count", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--reps", type=int, default=1, help=argparse.SUPPRESS)
-    a = ap.parse_args()
+    return ap.parse_args(argv)
 
-    if a.worker:
-        res = worker_prefill(a) if a.worker == "prefill" else worker_compile(a)
-        print(json.dumps(res))
-        return
 
-    t_start = time.perf_counter()
-    lengths = [int(x) for x in a.lengths.split(",")] if a.lengths else list(QUICK_LENGTHS if a.quick else FULL_LENGTHS)
-    ttft_lengths = ([int(x) for x in a.ttft_lengths.split(",")] if a.ttft_lengths
-                    else ([512, 1024] if a.quick else [4096, 8192]))
-    dec_prompt, dec_new, dec_batch = (256, 16, 4) if a.quick else (1024, 64, 4)
-    cc_lo, cc_hi, cc_count = (200, 700, 5) if a.quick else (1000, 4000, 20)
-    B, N = a.block, a.budget
+class Run:
+    """One benchmark run: its arguments, sizes, prompt tokens, resumable store and the Markdown it emits."""
 
-    out_md: list[str] = []
+    def __init__(self, a: argparse.Namespace):
+        self.a, self.t_start, self.md = a, time.perf_counter(), []
+        self.lengths = ([int(x) for x in a.lengths.split(",")] if a.lengths
+                        else list(QUICK_LENGTHS if a.quick else FULL_LENGTHS))
+        self.ttft_lengths = ([int(x) for x in a.ttft_lengths.split(",")] if a.ttft_lengths
+                             else ([512, 1024] if a.quick else [4096, 8192]))
+        self.dec_prompt, self.dec_new, self.dec_batch = (256, 16, 4) if a.quick else (1024, 64, 4)
+        self.cc_lo, self.cc_hi, self.cc_count = (200, 700, 5) if a.quick else (1000, 4000, 20)
+        self.B, self.N = a.block, a.budget
+        self.jax = _jax_setup()
+        from vdjax import registry
 
-    def emit(text: str = ""):
+        self.folder = registry.resolve(a.model)
+        self.cores = n_cores()
+        tokenizer = registry.load_tokenizer(a.model)
+        self.need = max(self.lengths + self.ttft_lengths + [self.cc_hi, self.dec_prompt * self.dec_batch])
+        self.ids_all, self.corpus_n = corpus_tokens(tokenizer, self.need)
+        self.tok_file = Path(tempfile.mkdtemp(prefix="vdbench-")) / "tokens.npy"
+        np.save(self.tok_file, self.ids_all)
+        settings = {"model": str(a.model), "quick": a.quick, "lengths": self.lengths, "ttft": self.ttft_lengths,
+                    "B": a.block, "N": a.budget, "eager": not a.skip_hf_eager,
+                    "tokens": int(self.ids_all.sum() % 1000003)}
+        self.store = Store(Path(a.out).with_suffix(".partial.json"), settings, a.resume, self.log)
+
+    def emit(self, text: str = ""):
         print(text, flush=True)
-        out_md.append(text)
+        self.md.append(text)
 
-    def log(text: str):
+    def log(self, text: str):
         print(text, file=sys.stderr, flush=True)
 
-    jax = _jax_setup()
+    def wait(self):
+        wait_idle(self.a.max_wait, log=self.log)
+
+    def best(self, measure, seconds, load, retries=None):
+        return best_of(measure, seconds, load, self.a.retries if retries is None else retries, self.a.max_wait,
+                       self.log)
+
+
+def header(r: Run) -> None:
+    """Machine, versions, model and settings."""
     import torch
     import transformers
-    import vdjax
-    from vdjax import registry
 
-    folder = registry.resolve(a.model)
-    cores = n_cores()
+    jax, a, cores = r.jax, r.a, r.cores
     tot_gb, avail_gb = mem_total_available_gb()
-    tokenizer = registry.load_tokenizer(a.model)
-    need = max(lengths + ttft_lengths + [cc_hi, dec_prompt * dec_batch])
-    ids_all, corpus_n = corpus_tokens(tokenizer, need)
-    tmpdir = Path(tempfile.mkdtemp(prefix="vdbench-"))
-    tok_file = tmpdir / "tokens.npy"
-    np.save(tok_file, ids_all)
-    settings = {"model": str(a.model), "quick": a.quick, "lengths": lengths, "ttft": ttft_lengths, "B": a.block,
-                "N": a.budget, "eager": not a.skip_hf_eager, "tokens": int(ids_all.sum() % 1000003)}
-    store = Store(Path(a.out).with_suffix(".partial.json"), settings, a.resume, log)
+    r.emit(f"# vdjax benchmark — {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}")
+    r.emit()
+    r.emit(f"- machine: {cores} cores ({cpu_model()}), {tot_gb:.1f} GiB RAM ({avail_gb:.1f} available at start), "
+           f"{platform.system()} {platform.release()}, Python {platform.python_version()}")
+    r.emit(f"- versions: jax {jax.__version__} (backend {jax.default_backend()}, {jax.device_count()} device), "
+           f"torch {torch.__version__}, transformers {transformers.__version__}, numpy {np.__version__}")
+    r.emit(f"- vdjax tree: {git_state()}")
+    r.emit(f"- model: `{a.model}` → `{r.folder}` (fp32); prompts: CPython pydoc topics text tokenized with the "
+           f"model's tokenizer ({r.corpus_n} tokens; {'repeated to reach' if r.corpus_n < r.need else 'enough for'} "
+           f"the {r.need} needed)")
+    r.emit(f"- threads: XLA:CPU sizes its intra-op pool to the {cores} visible cores; HF runs with "
+           f"torch.set_num_threads({cores})")
+    r.emit(f"- vdjax settings: block B={r.B}, budget N={r.N}; all vdjax timings warm (program compiled first, "
+           f"checked: the timed call compiled nothing unless noted)")
+    r.emit(f"- mode: {'--quick' if a.quick else 'full'}; 'other load' = cores kept busy by *other* processes "
+           f"during a measurement (the machine is shared; above {BUSY} a measurement is repeated up to "
+           f"{a.retries} time(s) after waiting for quiet, keeping the fastest; a remaining high value means the "
+           f"number is pessimistic)")
+    r.emit()
 
-    emit(f"# vdjax benchmark — {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}")
-    emit()
-    emit(f"- machine: {cores} cores ({cpu_model()}), {tot_gb:.1f} GiB RAM ({avail_gb:.1f} available at start), "
-         f"{platform.system()} {platform.release()}, Python {platform.python_version()}")
-    emit(f"- versions: jax {jax.__version__} (backend {jax.default_backend()}, {jax.device_count()} device), "
-         f"torch {torch.__version__}, transformers {transformers.__version__}, numpy {np.__version__}")
-    emit(f"- vdjax tree: {git_state()}")
-    emit(f"- model: `{a.model}` → `{folder}` (fp32); prompts: CPython pydoc topics text tokenized with the "
-         f"model's tokenizer ({corpus_n} tokens; {'repeated to reach' if corpus_n < need else 'enough for'} "
-         f"the {need} needed)")
-    emit(f"- threads: XLA:CPU sizes its intra-op pool to the {cores} visible cores; HF runs with "
-         f"torch.set_num_threads({cores})")
-    emit(f"- vdjax settings: block B={B}, budget N={N}; all vdjax timings warm (program compiled first, "
-         f"checked: the timed call compiled nothing unless noted)")
-    emit(f"- mode: {'--quick' if a.quick else 'full'}; 'other load' = cores kept busy by *other* processes "
-         f"during a measurement (the machine is shared; above {BUSY} a measurement is repeated up to "
-         f"{a.retries} time(s) after waiting for quiet, keeping the fastest; a remaining high value means the "
-         f"number is pessimistic)")
-    emit()
 
-    results: dict = {}
+def bandwidth(r: Run) -> dict:
+    """Section 6's measurement, made first: host read bandwidth over a 1 GiB fp32 array."""
+    jax = r.jax
 
-    # ---- 6. memory bandwidth (first: cheap, and needed to read the decode numbers) -----------------------
-    def measure_bandwidth() -> dict:
-        log("[6] host memory bandwidth ...")
-        wait_idle(a.max_wait, log=log)
+    def measure() -> dict:
+        r.log("[6] host memory bandwidth ...")
+        r.wait()
         arr = np.ones(2**28, np.float32)  # 1 GiB
         jarr = jax.numpy.asarray(arr)
         jsum = jax.jit(jax.numpy.sum)
         jsum(jarr).block_until_ready()
         fns = {"numpy sum, 1 thread": arr.sum, "numpy max, 1 thread": arr.max,
-               f"jax.jit(jnp.sum), XLA on {cores} cores": lambda: jsum(jarr).block_until_ready()}
+               f"jax.jit(jnp.sum), XLA on {r.cores} cores": lambda: jsum(jarr).block_until_ready()}
         out = {}
         for name, fn in fns.items():
             best = 1e9
@@ -484,55 +495,52 @@ def main():
             out[name] = arr.nbytes / best / 1e9
         return out
 
-    bws = store.get("bandwidth", measure_bandwidth)
-    bw = max(bws.values())
-    params = vdjax.load(a.model)
-    weight_bytes = sum(int(x.nbytes) for x in jax.tree.leaves(params.weights))
-    cfg = params.config
-    kv_bytes = lambda slots, rows=1: 2 * cfg.num_layers * rows * cfg.num_kv_heads * slots * cfg.head_dim * 4
-    results["bw"] = bws | {"weights": weight_bytes}
+    return r.store.get("bandwidth", measure)
 
-    # ---- 1/3/4. block prefill per length (fresh process each), HF dense forward -----------------------------
-    log("[1,3,4] vdjax block prefill, one fresh process per length ...")
+
+def vdjax_prefill(r: Run) -> dict[int, dict]:
+    """Block prefill per length, one fresh process each (valuediff; + streaming at the TTFT lengths)."""
+    a = r.a
+    r.log("[1,3,4] vdjax block prefill, one fresh process per length ...")
     pf: dict[int, dict] = {}
-    for T in sorted(set(lengths) | set(ttft_lengths)):
-        pols = "valuediff,streaming" if T in ttft_lengths else "valuediff"
-        reps = a.ttft_reps if T in ttft_lengths else 1
+    for T in sorted(set(r.lengths) | set(r.ttft_lengths)):
+        pols = "valuediff,streaming" if T in r.ttft_lengths else "valuediff"
+        reps = a.ttft_reps if T in r.ttft_lengths else 1
         t0 = time.perf_counter()
-        argv = ["--worker", "prefill", "--model", str(a.model), "--tokens", str(tok_file), "--T", str(T),
-                "--policies", pols, "--block", str(B), "--budget", str(N), "--reps", str(reps)]
+        argv = ["--worker", "prefill", "--model", str(a.model), "--tokens", str(r.tok_file), "--T", str(T),
+                "--policies", pols, "--block", str(r.B), "--budget", str(r.N), "--reps", str(reps)]
 
-        def measure_prefill(argv=argv, pols=pols):
-            wait_idle(a.max_wait, log=log)
-            return best_of(lambda: run_worker(argv, log), lambda r: r.get("valuediff", {}).get("s", math.inf),
-                           lambda r: max((r[p_]["other_load"] for p_ in pols.split(",") if p_ in r), default=0.0),
-                           a.retries, a.max_wait, log)
+        def measure(argv=argv, pols=pols):
+            r.wait()
+            return r.best(lambda: run_worker(argv, r.log), lambda x: x.get("valuediff", {}).get("s", math.inf),
+                          lambda x: max((x[p_]["other_load"] for p_ in pols.split(",") if p_ in x), default=0.0))
 
-        r = store.get(f"prefill:{T}:{pols}" + (f":x{reps}" if reps > 1 else ""), measure_prefill)
-        pf[T] = r
-        vd = r.get("valuediff", {})
-        log(f"  T={T}: {f1(vd.get('tok_s'))} tok/s, peak RSS {f1(r.get('rss_prefill_peak_mb'), 0)} MB, "
-            f"process {time.perf_counter() - t0:.0f} s" + (f", streaming {f1(r['streaming']['tok_s'])} tok/s"
-                                                           if "streaming" in r else ""))
-    del params  # free the main process's copy before HF's
+        res = r.store.get(f"prefill:{T}:{pols}" + (f":x{reps}" if reps > 1 else ""), measure)
+        pf[T] = res
+        vd = res.get("valuediff", {})
+        r.log(f"  T={T}: {f1(vd.get('tok_s'))} tok/s, peak RSS {f1(res.get('rss_prefill_peak_mb'), 0)} MB, "
+              f"process {time.perf_counter() - t0:.0f} s" + (f", streaming {f1(res['streaming']['tok_s'])} tok/s"
+                                                             if "streaming" in res else ""))
+    return pf
 
-    log("[1] HF transformers dense forward ...")
-    hf = HF(folder, cores)
-    hf_pf: dict[str, dict[int, tuple]] = {}
-    impls = ["sdpa"] + ([] if a.skip_hf_eager else ["eager"])
-    hf_heads = cfg.num_heads
-    for impl in impls:
-        hf_pf[impl] = {}
+
+def hf_prefill(r: Run, hf: "HF", heads: int) -> dict[str, dict[int, tuple]]:
+    """HF's dense forward (last logits only) per length and attention implementation: (seconds, other load),
+    or (None, why skipped)."""
+    r.log("[1] HF transformers dense forward ...")
+    out: dict[str, dict[int, tuple]] = {}
+    for impl in r.impls:
+        out[impl] = {}
         warmed = False
         done: list[tuple[int, float]] = []
-        for T in sorted(lengths):
+        for T in sorted(r.lengths):
 
-            def measure_hf(T=T, impl=impl):
+            def measure(T=T, impl=impl):
                 nonlocal warmed
                 _, avail = mem_total_available_gb()
-                attn_gb = hf_heads * T * T * 4 / 2**30
+                attn_gb = heads * T * T * 4 / 2**30
                 if impl == "eager" and 3 * attn_gb > 0.6 * avail:
-                    return (None, f"skipped (eager materializes [{hf_heads}, T, T] fp32 attention: "
+                    return (None, f"skipped (eager materializes [{heads}, T, T] fp32 attention: "
                                   f"{attn_gb:.1f} GiB x ~3 copies vs {avail:.1f} GiB available: OOM risk)")
                 if done:
                     (t1, s1) = done[-1]
@@ -543,273 +551,327 @@ def main():
                     pred = s1 * (T / t1) ** e
                     if pred > HF_TIME_LIMIT_S:
                         return (None, f"skipped (predicted {pred:.0f} s > {HF_TIME_LIMIT_S:.0f} s limit)")
-                wait_idle(a.max_wait, log=log)
+                r.wait()
                 if not warmed:
-                    hf.forward_s(impl, ids_all[:256])  # first-call overheads
+                    hf.forward_s(impl, r.ids_all[:256])  # first-call overheads
                     warmed = True
-                s, ol = best_of(lambda: hf.forward_s(impl, ids_all[:T]), lambda r: r[0], lambda r: r[1],
-                                a.retries if T <= 8192 else 0, a.max_wait, log)
-                log(f"  {impl} T={T}: {T / s:.1f} tok/s ({s:.1f} s, other load {ol:.2f})")
+                s, ol = r.best(lambda: hf.forward_s(impl, r.ids_all[:T]), lambda x: x[0], lambda x: x[1],
+                               r.a.retries if T <= 8192 else 0)
+                r.log(f"  {impl} T={T}: {T / s:.1f} tok/s ({s:.1f} s, other load {ol:.2f})")
                 return (s, ol)
 
-            hf_pf[impl][T] = store.get(f"hf:{impl}:{T}", measure_hf)
-            if hf_pf[impl][T][0] is not None:
-                done.append((T, hf_pf[impl][T][0]))
+            out[impl][T] = r.store.get(f"hf:{impl}:{T}", measure)
+            if out[impl][T][0] is not None:
+                done.append((T, out[impl][T][0]))
         if impl == "eager":
             hf.drop("eager")
+    return out
 
-    emit("## 1. Block prefill throughput (tokens/s, warm)")
-    emit()
-    emit(f"vdjax `prefill(policy='valuediff', budget={N}, block_size={B})` vs HF `model(ids, logits_to_keep=1)` "
-         f"(dense, fp32, {cores} threads). Ratio = vdjax / HF sdpa (HF's fastest path).")
-    emit()
+
+def prefill_table(r: Run, pf: dict, hf_pf: dict) -> None:
+    """Section 1: block prefill tok/s against HF."""
+    r.emit("## 1. Block prefill throughput (tokens/s, warm)")
+    r.emit()
+    r.emit(f"vdjax `prefill(policy='valuediff', budget={r.N}, block_size={r.B})` vs HF `model(ids, "
+           f"logits_to_keep=1)` (dense, fp32, {r.cores} threads). Ratio = vdjax / HF sdpa (HF's fastest path).")
+    r.emit()
     rows = []
-    for T in sorted(lengths):
+    for T in sorted(r.lengths):
         vd = pf[T].get("valuediff", {})
         cells = [klabel(T), f1(vd.get("tok_s")), f1(vd.get("s"), 2)]
-        for impl in impls:
+        for impl in r.impls:
             s, info = hf_pf[impl][T]
             cells.append(f1(T / s) if s else info)
         hs = hf_pf["sdpa"][T][0]
         cells.append(fx(ratio(vd.get("tok_s"), T / hs if hs else None)))
-        ol = [vd.get("other_load")] + [hf_pf[i][T][1] for i in impls if hf_pf[i][T][0]]
+        ol = [vd.get("other_load")] + [hf_pf[i][T][1] for i in r.impls if hf_pf[i][T][0]]
         cells.append(" / ".join(f1(x, 2) for x in ol if x is not None))
         cells.append(vd.get("compiled", "?") if vd else pf[T].get("error", "?"))
         rows.append(cells)
-    emit(md_table(["T", "vdjax tok/s", "vdjax s", "HF sdpa tok/s"] + (["HF eager tok/s"] if "eager" in impls else [])
-                  + ["vdjax / HF sdpa", "other load (vdjax / HF)", "compiles in timed call"], rows))
-    warm_how = {pf[T].get("valuediff", {}).get("warm", "?") for T in lengths}
-    emit()
-    emit(f"Warm-up: {'; '.join(sorted(warm_how))}. Lengths also in section 4 show the best of {a.ttft_reps} "
-         f"timed runs, the others one run.")
-    emit()
+    r.emit(md_table(["T", "vdjax tok/s", "vdjax s", "HF sdpa tok/s"]
+                    + (["HF eager tok/s"] if "eager" in r.impls else [])
+                    + ["vdjax / HF sdpa", "other load (vdjax / HF)", "compiles in timed call"], rows))
+    warm_how = {pf[T].get("valuediff", {}).get("warm", "?") for T in r.lengths}
+    r.emit()
+    r.emit(f"Warm-up: {'; '.join(sorted(warm_how))}. Lengths also in section 4 show the best of {r.a.ttft_reps} "
+           f"timed runs, the others one run.")
+    r.emit()
 
-    # ---- 2. decode ----------------------------------------------------------------------------------------
-    log("[2] decode ...")
-    params = vdjax.load(a.model)
-    p1 = ids_all[:dec_prompt]
-    pb = np.stack([ids_all[i * dec_prompt:(i + 1) * dec_prompt] for i in range(dec_batch)])
 
-    def vd_decode(ids, policy, budget):
-        kw = dict(block_size=B, max_new_tokens=dec_new, eos_token_id=[])
-        vdjax.run(params, ids, policy, budget, **kw)  # compile prefill + decode programs
+def vdjax_decode(r: Run) -> dict:
+    """Decode tok/s of vdjax: valuediff at N, dense, valuediff at the dense cache size, a batch."""
+    import vdjax
+
+    r.log("[2] decode ...")
+    params = vdjax.load(r.a.model)
+    p1 = r.ids_all[:r.dec_prompt]
+    pb = np.stack([r.ids_all[i * r.dec_prompt:(i + 1) * r.dec_prompt] for i in range(r.dec_batch)])
+
+    def measure(ids, policy, budget):
+        kw = dict(block_size=r.B, max_new_tokens=r.dec_new, eos_token_id=[])
         rows_ = np.atleast_2d(ids).shape[0]
 
         def once():
             with OtherLoad() as ol:
                 g = vdjax.run(params, ids, policy, budget, **kw)
-            assert g.tokens.shape == (rows_, dec_new), g.tokens.shape
+            assert g.tokens.shape == (rows_, r.dec_new), g.tokens.shape
             return {"tok_s": rows_ * g.steps / g.decode_s, "decode_s": g.decode_s, "steps": g.steps,
                     "ttft_s": g.prefill_s, "slots": int(g.cache.budget), "other_load": ol.cores,
                     "tokens": g.tokens}
 
-        return best_of(once, lambda r: r["decode_s"], lambda r: r["other_load"], a.retries, a.max_wait, log)
+        def go():
+            r.wait()
+            vdjax.run(params, ids, policy, budget, **kw)  # compile prefill + decode programs
+            return r.best(once, lambda x: x["decode_s"], lambda x: x["other_load"])
+        return go
 
-    def measure_decode(ids, policy, budget):
-        def measure():
-            wait_idle(a.max_wait, log=log)
-            return vd_decode(ids, policy, budget)
-        return measure
-
-    dec = {}
-    dec["vd"] = store.get("decode:vd", measure_decode(p1, "valuediff", N))
-    dec["dense"] = store.get("decode:dense", measure_decode(p1, "dense", None))
-    dense_slots = dec["dense"]["slots"]
-    dec["vd_same"] = store.get("decode:vd_same", measure_decode(p1, "valuediff", dense_slots))
-    dec["vd_b"] = store.get("decode:vd_b", measure_decode(pb, "valuediff", N))
-    same_tokens = bool(np.array_equal(dec["vd_same"]["tokens"], dec["dense"]["tokens"]))
+    dec = {"vd": r.store.get("decode:vd", measure(p1, "valuediff", r.N)),
+           "dense": r.store.get("decode:dense", measure(p1, "dense", None))}
+    dec["vd_same"] = r.store.get("decode:vd_same", measure(p1, "valuediff", dec["dense"]["slots"]))
+    dec["vd_b"] = r.store.get("decode:vd_b", measure(pb, "valuediff", r.N))
     for k, v in dec.items():
-        log(f"  vdjax {k}: {v['tok_s']:.2f} tok/s (slots {v['slots']}, other load {v['other_load']:.2f})")
-    del params
+        r.log(f"  vdjax {k}: {v['tok_s']:.2f} tok/s (slots {v['slots']}, other load {v['other_load']:.2f})")
+    return dec
 
-    hf_dec = {}
-    gen_warm = []
+
+def hf_decode(r: Run, hf: "HF") -> dict:
+    """HF `generate` decode tok/s at batch 1 and the decode batch."""
+    p1 = r.ids_all[:r.dec_prompt]
+    pb = np.stack([r.ids_all[i * r.dec_prompt:(i + 1) * r.dec_prompt] for i in range(r.dec_batch)])
+    out, warm = {}, []
     for name, ids in (("b1", p1), ("b4", pb)):
         rows_ = np.atleast_2d(ids).shape[0]
 
         def once(ids=ids, rows_=rows_):
-            if not gen_warm:
-                hf.generate_s(ids_all[:64], 4)  # first-call overheads
-                gen_warm.append(True)
+            if not warm:
+                hf.generate_s(r.ids_all[:64], 4)  # first-call overheads
+                warm.append(True)
             s1, o1 = hf.generate_s(ids, 1)
-            sn, on = hf.generate_s(ids, dec_new)
-            return {"tok_s": rows_ * (dec_new - 1) / (sn - s1), "ttft_s": s1, "total_s": sn,
+            sn, on = hf.generate_s(ids, r.dec_new)
+            return {"tok_s": rows_ * (r.dec_new - 1) / (sn - s1), "ttft_s": s1, "total_s": sn,
                     "other_load": max(o1, on)}
 
-        def measure_gen(once=once):
-            wait_idle(a.max_wait, log=log)
-            return best_of(once, lambda r: -r["tok_s"], lambda r: r["other_load"], a.retries, a.max_wait, log)
+        def measure(once=once):
+            r.wait()
+            return r.best(once, lambda x: -x["tok_s"], lambda x: x["other_load"])
 
-        hf_dec[name] = store.get(f"hf_generate:{name}", measure_gen)
-        log(f"  HF generate {name}: {hf_dec[name]['tok_s']:.2f} tok/s")
+        out[name] = r.store.get(f"hf_generate:{name}", measure)
+        r.log(f"  HF generate {name}: {out[name]['tok_s']:.2f} tok/s")
+    return out
 
-    ceil1 = lambda slots, rows=1: rows * bw * 1e9 / (weight_bytes + kv_bytes(slots, rows))
-    emit("## 2. Decode throughput (tokens/s, greedy, EOS disabled, warm)")
-    emit()
-    emit(f"Prompt {dec_prompt} tokens, {dec_new} new tokens = {dec_new - 1} decode steps (the first token comes "
-         f"from the prefill logits, as in HF). vdjax: `Generation.steps / decode_s`; HF `generate` "
-         f"(sdpa, min_new_tokens={dec_new}): (rows x {dec_new - 1}) / (t({dec_new} new) - t(1 new)). "
-         f"Ceiling = rows x bandwidth / (weight bytes + KV bytes read per step), bandwidth from section 6.")
-    emit()
-    rows = [
-        [f"vdjax valuediff N={N}", 1, dec["vd"]["slots"], f1(dec["vd"]["tok_s"], 2), f1(ceil1(dec["vd"]["slots"])),
-         fx(ratio(dec["vd"]["tok_s"], hf_dec["b1"]["tok_s"])), f1(dec["vd"]["ttft_s"], 2),
-         f1(dec["vd"]["other_load"], 2)],
-        [f"vdjax dense (cache = padded prompt + new)", 1, dense_slots, f1(dec["dense"]["tok_s"], 2),
-         f1(ceil1(dense_slots)), fx(ratio(dec["dense"]["tok_s"], hf_dec["b1"]["tok_s"])),
-         f1(dec["dense"]["ttft_s"], 2), f1(dec["dense"]["other_load"], 2)],
-        [f"vdjax valuediff N={dense_slots} (>= T+new: no eviction)", 1, dense_slots,
-         f1(dec["vd_same"]["tok_s"], 2), f1(ceil1(dense_slots)),
-         fx(ratio(dec["vd_same"]["tok_s"], hf_dec["b1"]["tok_s"])), f1(dec["vd_same"]["ttft_s"], 2),
-         f1(dec["vd_same"]["other_load"], 2)],
-        ["HF generate (dense, sdpa)", 1, f"{dec_prompt}+{dec_new}", f1(hf_dec["b1"]["tok_s"], 2),
-         f1(ceil1(dec_prompt + dec_new)), "1.0x", f1(hf_dec["b1"]["ttft_s"], 2), f1(hf_dec["b1"]["other_load"], 2)],
-        [f"vdjax valuediff N={N}", dec_batch, dec["vd_b"]["slots"], f1(dec["vd_b"]["tok_s"], 2),
-         f1(ceil1(dec["vd_b"]["slots"], dec_batch)), fx(ratio(dec["vd_b"]["tok_s"], hf_dec["b4"]["tok_s"])),
-         f1(dec["vd_b"]["ttft_s"], 2), f1(dec["vd_b"]["other_load"], 2)],
-        ["HF generate (dense, sdpa)", dec_batch, f"{dec_prompt}+{dec_new}", f1(hf_dec["b4"]["tok_s"], 2),
-         f1(ceil1(dec_prompt + dec_new, dec_batch)), "1.0x", f1(hf_dec["b4"]["ttft_s"], 2),
-         f1(hf_dec["b4"]["other_load"], 2)],
-    ]
-    emit(md_table(["engine", "batch", "cache slots/head", "decode tok/s (all rows)", "bandwidth ceiling tok/s",
-                   "vs HF (same batch)", "TTFT s", "other load"], rows))
-    emit()
-    emit(f"- valuediff N={N} / dense: {f1(ratio(dec['vd']['tok_s'], dec['dense']['tok_s']), 2)}x; "
-         f"valuediff N={dense_slots} / dense (same cache size): "
-         f"{f1(ratio(dec['vd_same']['tok_s'], dec['dense']['tok_s']), 2)}x; "
-         f"valuediff N={dense_slots} tokens == dense tokens: {same_tokens}")
-    emit()
 
-    # ---- 3. peak RSS --------------------------------------------------------------------------------------
-    emit("## 3. Peak RSS of a vdjax block prefill (fresh process per T)")
-    emit()
-    emit(f"One process per T loads the model, compiles and prefills T tokens (valuediff, N={N}, B={B}). "
-         "'peak' columns are the process's own high-water mark (VmHWM; `ru_maxrss` would include the parent's "
-         "RSS at fork), loading included; 'sampled peak' is the highest RSS a 10 ms psutil poller saw during "
-         "compile + prefill, the number the ratio uses (loading can peak higher and hide the prefill).")
-    emit()
+def decode_table(r: Run, dec: dict, hf_dec: dict, ceil) -> None:
+    """Section 2: decode tok/s against HF and the bandwidth ceiling."""
+    N, new, prompt, batch = r.N, r.dec_new, r.dec_prompt, r.dec_batch
+    dense_slots = dec["dense"]["slots"]
+    r.emit("## 2. Decode throughput (tokens/s, greedy, EOS disabled, warm)")
+    r.emit()
+    r.emit(f"Prompt {prompt} tokens, {new} new tokens = {new - 1} decode steps (the first token comes "
+           f"from the prefill logits, as in HF). vdjax: `Generation.steps / decode_s`; HF `generate` "
+           f"(sdpa, min_new_tokens={new}): (rows x {new - 1}) / (t({new} new) - t(1 new)). "
+           f"Ceiling = rows x bandwidth / (weight bytes + KV bytes read per step), bandwidth from section 6.")
+    r.emit()
+
+    def row(label, d, rows, ref):
+        return [label, rows, d["slots"], f1(d["tok_s"], 2), f1(ceil(d["slots"], rows)),
+                fx(ratio(d["tok_s"], ref["tok_s"])), f1(d["ttft_s"], 2), f1(d["other_load"], 2)]
+
+    def hf_row(d, rows):
+        return ["HF generate (dense, sdpa)", rows, f"{prompt}+{new}", f1(d["tok_s"], 2),
+                f1(ceil(prompt + new, rows)), "1.0x", f1(d["ttft_s"], 2), f1(d["other_load"], 2)]
+
+    rows = [row(f"vdjax valuediff N={N}", dec["vd"], 1, hf_dec["b1"]),
+            row("vdjax dense (cache = padded prompt + new)", dec["dense"], 1, hf_dec["b1"]),
+            row(f"vdjax valuediff N={dense_slots} (>= T+new: no eviction)", dec["vd_same"], 1, hf_dec["b1"]),
+            hf_row(hf_dec["b1"], 1),
+            row(f"vdjax valuediff N={N}", dec["vd_b"], batch, hf_dec["b4"]),
+            hf_row(hf_dec["b4"], batch)]
+    r.emit(md_table(["engine", "batch", "cache slots/head", "decode tok/s (all rows)", "bandwidth ceiling tok/s",
+                     "vs HF (same batch)", "TTFT s", "other load"], rows))
+    r.emit()
+    same_tokens = bool(np.array_equal(dec["vd_same"]["tokens"], dec["dense"]["tokens"]))
+    r.emit(f"- valuediff N={N} / dense: {f1(ratio(dec['vd']['tok_s'], dec['dense']['tok_s']), 2)}x; "
+           f"valuediff N={dense_slots} / dense (same cache size): "
+           f"{f1(ratio(dec['vd_same']['tok_s'], dec['dense']['tok_s']), 2)}x; "
+           f"valuediff N={dense_slots} tokens == dense tokens: {same_tokens}")
+    r.emit()
+
+
+def rss_table(r: Run, pf: dict) -> float | None:
+    """Section 3: peak RSS per prefill length; returns RSS(longest) / RSS(4k or shortest)."""
+    r.emit("## 3. Peak RSS of a vdjax block prefill (fresh process per T)")
+    r.emit()
+    r.emit(f"One process per T loads the model, compiles and prefills T tokens (valuediff, N={r.N}, B={r.B}). "
+           "'peak' columns are the process's own high-water mark (VmHWM; `ru_maxrss` would include the parent's "
+           "RSS at fork), loading included; 'sampled peak' is the highest RSS a 10 ms psutil poller saw during "
+           "compile + prefill, the number the ratio uses (loading can peak higher and hide the prefill).")
+    r.emit()
     rows = []
-    ref_rss = pf[min(lengths)].get("rss_prefill_peak_mb")
-    for T in sorted(lengths):
-        r = pf[T]
-        inc = None if r.get("rss_prefill_peak_mb") is None else r["rss_prefill_peak_mb"] - r["rss_loaded_mb"]
-        rows.append([klabel(T), f1(r.get("rss_load_mb"), 0), f1(r.get("rss_loaded_mb"), 0),
-                     f1(r.get("rss_prefill_peak_mb"), 0), f1(inc, 0), f1(r.get("rss_peak_mb"), 0),
-                     fx(ratio(r.get("rss_prefill_peak_mb"), ref_rss), 3)])
-    emit(md_table(["T", "peak after load MB", "RSS after load MB", "sampled peak during prefill MB",
-                   "prefill increment MB", "peak at end MB", f"sampled peak vs T={klabel(min(lengths))}"],
-                  rows))
-    rss_hi = max(lengths)
-    rss_lo = 4096 if 4096 in lengths and 4096 < rss_hi else min(lengths)
-    rss_ratio = ratio(pf[rss_hi].get("rss_prefill_peak_mb"), pf[rss_lo].get("rss_prefill_peak_mb"))
-    rss_ratio_ru = ratio(pf[rss_hi].get("rss_peak_mb"), pf[rss_lo].get("rss_peak_mb"))
-    emit()
-    emit(f"RSS({klabel(rss_hi)}) / RSS({klabel(rss_lo)}) = {fx(rss_ratio, 3)} (sampled peak), "
-         f"{fx(rss_ratio_ru, 3)} (process peak, VmHWM)")
-    emit()
+    ref_rss = pf[min(r.lengths)].get("rss_prefill_peak_mb")
+    for T in sorted(r.lengths):
+        x = pf[T]
+        inc = None if x.get("rss_prefill_peak_mb") is None else x["rss_prefill_peak_mb"] - x["rss_loaded_mb"]
+        rows.append([klabel(T), f1(x.get("rss_load_mb"), 0), f1(x.get("rss_loaded_mb"), 0),
+                     f1(x.get("rss_prefill_peak_mb"), 0), f1(inc, 0), f1(x.get("rss_peak_mb"), 0),
+                     fx(ratio(x.get("rss_prefill_peak_mb"), ref_rss), 3)])
+    r.emit(md_table(["T", "peak after load MB", "RSS after load MB", "sampled peak during prefill MB",
+                     "prefill increment MB", "peak at end MB", f"sampled peak vs T={klabel(min(r.lengths))}"],
+                    rows))
+    r.rss_hi = max(r.lengths)
+    r.rss_lo = 4096 if 4096 in r.lengths and 4096 < r.rss_hi else min(r.lengths)
+    rss_ratio = ratio(pf[r.rss_hi].get("rss_prefill_peak_mb"), pf[r.rss_lo].get("rss_prefill_peak_mb"))
+    rss_ratio_ru = ratio(pf[r.rss_hi].get("rss_peak_mb"), pf[r.rss_lo].get("rss_peak_mb"))
+    r.emit()
+    r.emit(f"RSS({klabel(r.rss_hi)}) / RSS({klabel(r.rss_lo)}) = {fx(rss_ratio, 3)} (sampled peak), "
+           f"{fx(rss_ratio_ru, 3)} (process peak, VmHWM)")
+    r.emit()
+    return rss_ratio
 
-    # ---- 4. TTFT -------------------------------------------------------------------------------------------
-    emit("## 4. Time to first token: ValueDiff vs StreamingLLM (warm, same process, same prompt)")
-    emit()
-    emit(f"Prefill + greedy first token, B={B}, N={N}; best of {a.ttft_reps} timed runs per policy, the policies "
-         f"alternating (all runs listed).")
-    emit()
-    rows, ttft_ratios = [], {}
-    for T in ttft_lengths:
-        r = pf[T]
-        vd, st = r.get("valuediff", {}), r.get("streaming", {})
-        ttft_ratios[T] = ratio(vd.get("s"), st.get("s"))
-        runs = lambda d: ", ".join(f"{x:.2f}" for x in d.get("runs_s", []))
-        rows.append([klabel(T), f1(vd.get("s"), 2), f1(st.get("s"), 2), fx(ttft_ratios[T], 3),
+
+def ttft_table(r: Run, pf: dict) -> dict[int, float | None]:
+    """Section 4: valuediff vs streaming time to first token; returns their ratio per length."""
+    r.emit("## 4. Time to first token: ValueDiff vs StreamingLLM (warm, same process, same prompt)")
+    r.emit()
+    r.emit(f"Prefill + greedy first token, B={r.B}, N={r.N}; best of {r.a.ttft_reps} timed runs per policy, the "
+           f"policies alternating (all runs listed).")
+    r.emit()
+    rows, ratios = [], {}
+    for T in r.ttft_lengths:
+        vd, st = pf[T].get("valuediff", {}), pf[T].get("streaming", {})
+        ratios[T] = ratio(vd.get("s"), st.get("s"))
+        runs = lambda d: ", ".join(f"{x:.2f}" for x in d.get("runs_s", []))  # noqa: E731
+        rows.append([klabel(T), f1(vd.get("s"), 2), f1(st.get("s"), 2), fx(ratios[T], 3),
                      f"{runs(vd)} / {runs(st)}", f"{f1(vd.get('other_load'), 2)} / {f1(st.get('other_load'), 2)}"])
-    emit(md_table(["T", "valuediff s", "streaming s", "valuediff / streaming", "all runs s (vd / st)",
-                   "other load of the best (vd / st)"], rows))
-    emit()
+    r.emit(md_table(["T", "valuediff s", "streaming s", "valuediff / streaming", "all runs s (vd / st)",
+                     "other load of the best (vd / st)"], rows))
+    r.emit()
+    return ratios
 
-    # ---- 5. compile count ------------------------------------------------------------------------------------
-    log("[5] compile count over random lengths (fresh process) ...")
-    def measure_compile():
-        wait_idle(a.max_wait, log=log)
-        return run_worker(["--worker", "compile", "--model", str(a.model), "--tokens", str(tok_file), "--lo",
-                           str(cc_lo), "--hi", str(cc_hi), "--count", str(cc_count), "--block", str(B), "--budget",
-                           str(N)], log)
 
-    cc = store.get("compile", measure_compile)
-    emit(f"## 5. Compiled programs over {cc_count} random prompt lengths in [{cc_lo}, {cc_hi}]")
-    emit()
+def compile_section(r: Run) -> dict:
+    """Section 5: programs compiled over random prompt lengths (a fresh process)."""
+    r.log("[5] compile count over random lengths (fresh process) ...")
+
+    def measure():
+        r.wait()
+        return run_worker(["--worker", "compile", "--model", str(r.a.model), "--tokens", str(r.tok_file), "--lo",
+                           str(r.cc_lo), "--hi", str(r.cc_hi), "--count", str(r.cc_count), "--block", str(r.B),
+                           "--budget", str(r.N)], r.log)
+
+    cc = r.store.get("compile", measure)
+    r.emit(f"## 5. Compiled programs over {r.cc_count} random prompt lengths in [{r.cc_lo}, {r.cc_hi}]")
+    r.emit()
     if "error" in cc:
-        emit(f"failed: {cc['error']}")
+        r.emit(f"failed: {cc['error']}")
     else:
         comp_s = sum(c["s"] for c in cc["calls"] if c["compiled"])
-        emit(f"prefill(valuediff, N={N}, B={B}) in a fresh process, `_prefill._cache_size()` before/after.")
-        emit()
-        emit(md_table(["calls", "programs compiled", "total wall s", "calls that compiled: s",
-                       "other calls: tok/s", "other load"],
-                      [[cc_count, cc["compiled"], f1(cc["wall_s"]), f1(comp_s),
-                        f1(sum(c["T"] for c in cc["calls"] if not c["compiled"])
-                           / max(1e-9, sum(c["s"] for c in cc["calls"] if not c["compiled"]))),
-                        f1(cc["other_load"], 2)]]))
-        emit()
-        emit("lengths in call order: " + ", ".join(
+        r.emit(f"prefill(valuediff, N={r.N}, B={r.B}) in a fresh process, programs counted with "
+               "`vdjax.compilation.count_compiles`.")
+        r.emit()
+        fast = [c for c in cc["calls"] if not c["compiled"]]
+        r.emit(md_table(["calls", "programs compiled", "total wall s", "calls that compiled: s",
+                         "other calls: tok/s", "other load"],
+                        [[r.cc_count, cc["compiled"], f1(cc["wall_s"]), f1(comp_s),
+                          f1(sum(c["T"] for c in fast) / max(1e-9, sum(c["s"] for c in fast))),
+                          f1(cc["other_load"], 2)]]))
+        r.emit()
+        r.emit("lengths in call order: " + ", ".join(
             f"{c['T']}{'*' if c['compiled'] else ''}" for c in cc["calls"]) + "  (* = compiled a program)")
-    emit()
+    r.emit()
+    return cc
 
-    # ---- 6. bandwidth table ----------------------------------------------------------------------------------
-    emit("## 6. Memory-bandwidth context")
-    emit()
-    emit(md_table(["quantity", "value"], [
+
+def bandwidth_table(r: Run, bws: dict, weight_bytes: int, kv_bytes, ceil, dense_slots: int, hf_dec: dict) -> None:
+    """Section 6: the numbers the ceilings come from."""
+    N, batch = r.N, r.dec_batch
+    r.emit("## 6. Memory-bandwidth context")
+    r.emit()
+    r.emit(md_table(["quantity", "value"], [
         *[[f"host read bandwidth over a 1 GiB fp32 array: {k}", f"{v:.1f} GB/s"] for k, v in bws.items()],
-        ["bandwidth used for the ceilings (best of the above)", f"{bw:.1f} GB/s"],
+        ["bandwidth used for the ceilings (best of the above)", f"{max(bws.values()):.1f} GB/s"],
         ["weight bytes (fp32, all params; the tied LM head reads the embedding every step)",
          f"{weight_bytes / 1e6:.0f} MB"],
         [f"KV cache bytes read per step, N={N} / dense {dense_slots} slots",
          f"{kv_bytes(N) / 1e6:.1f} MB / {kv_bytes(dense_slots) / 1e6:.1f} MB"],
-        ["decode ceiling, batch 1 (bandwidth / (weights + KV N=%d))" % N, f"{ceil1(N):.1f} tok/s"],
-        [f"decode ceiling, batch {dec_batch}", f"{ceil1(N, dec_batch):.1f} tok/s"],
+        ["decode ceiling, batch 1 (bandwidth / (weights + KV N=%d))" % N, f"{ceil(N):.1f} tok/s"],
+        [f"decode ceiling, batch {batch}", f"{ceil(N, batch):.1f} tok/s"],
         ["HF generate batch 1 as a fraction of that ceiling",
-         f"{hf_dec['b1']['tok_s'] / ceil1(dec_prompt + dec_new):.0%}"],
+         f"{hf_dec['b1']['tok_s'] / ceil(r.dec_prompt + r.dec_new):.0%}"],
     ]))
-    emit()
+    r.emit()
 
-    # ---- targets ---------------------------------------------------------------------------------------------
+
+def targets_table(r: Run, pf, hf_pf, dec, hf_dec, rss_ratio, ttft_ratios) -> None:
+    """The targets with PASS/FAIL."""
     def verdict(ok):
         return "n/a" if ok is None else ("PASS" if ok else "FAIL")
 
-    t_pf = 8192 if 8192 in lengths else max(lengths)
+    t_pf = 8192 if 8192 in r.lengths else max(r.lengths)
     hs = hf_pf["sdpa"][t_pf][0]
     pf_ratio = ratio(pf[t_pf].get("valuediff", {}).get("tok_s"), t_pf / hs if hs else None)
     dec_hf = ratio(dec["vd"]["tok_s"], hf_dec["b1"]["tok_s"])
     dec_dense = ratio(dec["vd_same"]["tok_s"], dec["dense"]["tok_s"])
+    dense_slots = dec["dense"]["slots"]
     targets = [
         [f"block prefill at {klabel(t_pf)} >= 2x HF dense (sdpa)", fx(pf_ratio),
          verdict(None if pf_ratio is None else pf_ratio >= 2)],
-        [f"decode (valuediff N={N}) >= 3x HF generate", fx(dec_hf), verdict(dec_hf >= 3)],
+        [f"decode (valuediff N={r.N}) >= 3x HF generate", fx(dec_hf), verdict(dec_hf >= 3)],
         [f"decode >= 0.85x vdjax dense at the same cache size ({dense_slots} slots)", fx(dec_dense),
          verdict(dec_dense >= 0.85)],
-        [f"RSS at {klabel(rss_hi)} <= 1.1x RSS at {klabel(rss_lo)}", fx(rss_ratio, 3),
+        [f"RSS at {klabel(r.rss_hi)} <= 1.1x RSS at {klabel(r.rss_lo)}", fx(rss_ratio, 3),
          verdict(None if rss_ratio is None else rss_ratio <= 1.1)],
     ]
-    for T in ttft_lengths:
-        r = ttft_ratios[T]
-        targets.append([f"ValueDiff TTFT <= 1.03x streaming at {klabel(T)}", fx(r, 3),
-                        verdict(None if r is None else r <= 1.03)])
-    emit("## Targets")
-    emit()
-    emit(md_table(["target", "measured", "verdict"], targets))
-    emit()
-    emit(f"Total wall time: {(time.perf_counter() - t_start) / 60:.1f} min"
-         + (f" (this invocation; {store.reused} measurements reused from an earlier run via --resume)."
-            if store.reused else "."))
+    for T in r.ttft_lengths:
+        x = ttft_ratios[T]
+        targets.append([f"ValueDiff TTFT <= 1.03x streaming at {klabel(T)}", fx(x, 3),
+                        verdict(None if x is None else x <= 1.03)])
+    r.emit("## Targets")
+    r.emit()
+    r.emit(md_table(["target", "measured", "verdict"], targets))
+    r.emit()
 
+
+def main(argv=None):
+    a = parse_args(argv)
+    if a.worker:
+        print(json.dumps(worker_prefill(a) if a.worker == "prefill" else worker_compile(a)))
+        return
+    r = Run(a)
+    header(r)
+    bws = bandwidth(r)
+    bw = max(bws.values())
+    import vdjax
+
+    params = vdjax.load(a.model)
+    cfg, weight_bytes = params.config, params.nbytes()
+    del params  # the workers and HF load their own copies
+    kv_bytes = lambda slots, rows=1: 2 * cfg.num_layers * rows * cfg.num_kv_heads * slots * cfg.head_dim * 4  # noqa
+    ceil = lambda slots, rows=1: rows * bw * 1e9 / (weight_bytes + kv_bytes(slots, rows))  # noqa: E731
+    r.impls = ["sdpa"] + ([] if a.skip_hf_eager else ["eager"])
+    pf = vdjax_prefill(r)
+    hf = HF(r.folder, r.cores)
+    hf_pf = hf_prefill(r, hf, cfg.num_heads)
+    prefill_table(r, pf, hf_pf)
+    dec = vdjax_decode(r)
+    hf_dec = hf_decode(r, hf)
+    decode_table(r, dec, hf_dec, ceil)
+    rss_ratio = rss_table(r, pf)
+    ttft_ratios = ttft_table(r, pf)
+    cc = compile_section(r)
+    bandwidth_table(r, bws, weight_bytes, kv_bytes, ceil, dec["dense"]["slots"], hf_dec)
+    targets_table(r, pf, hf_pf, dec, hf_dec, rss_ratio, ttft_ratios)
+    r.emit(f"Total wall time: {(time.perf_counter() - r.t_start) / 60:.1f} min"
+           + (f" (this invocation; {r.store.reused} measurements reused from an earlier run via --resume)."
+              if r.store.reused else "."))
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(out_md) + "\n")
+    out.write_text("\n".join(r.md) + "\n")
     raw = {"prefill": {str(k): v for k, v in pf.items()},
            "hf_prefill": {i: {str(t): v for t, v in d.items()} for i, d in hf_pf.items()},
            "decode": {k: {kk: vv for kk, vv in v.items() if kk != "tokens"} for k, v in dec.items()},
-           "hf_decode": hf_dec, "compile": cc, "bandwidth": results["bw"]}
+           "hf_decode": hf_dec, "compile": cc, "bandwidth": bws | {"weights": weight_bytes}}
     out.with_suffix(".json").write_text(json.dumps(raw, indent=1, default=str))
-    log(f"wrote {out} and {out.with_suffix('.json')}")
+    r.log(f"wrote {out} and {out.with_suffix('.json')}")
 
 
 if __name__ == "__main__":

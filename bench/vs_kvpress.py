@@ -318,7 +318,7 @@ def check_kvpress_python(path: str) -> str | None:
     return None if probe.returncode == 0 else f"{path} cannot import kvpress and torch"
 
 
-def main():
+def parse_args(argv=None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="registered name or HF checkpoint folder")
     ap.add_argument("--kvpress-python", default=str(DEFAULT_KVPRESS_PYTHON),
@@ -346,65 +346,34 @@ def main():
     ap.add_argument("--T", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--save", help=argparse.SUPPRESS)
-    a = ap.parse_args()
+    return ap, ap.parse_args(argv)
 
-    if a.worker:
-        res = worker_vdjax(a) if a.worker == "vdjax" else worker_kvpress(a)
-        print(json.dumps(res))
-        return
 
-    problem = check_kvpress_python(a.kvpress_python)
-    if problem:
-        print(f"kvpress is not available: {problem}.\n"
-              f"kvpress 0.5.5 needs transformers<5.3, so it lives in its own virtual environment. Create it in the "
-              f"repository root with\n\n    {INSTALL_HINT}\n\n"
-              f"(or pass --kvpress-python PATH). Nothing was measured.")
-        return
-
+def check_settings(ap, a) -> tuple[list[str], list[int]]:
+    """(policies, lengths), refusing settings kvpress cannot match (argparse error)."""
     policies = a.presses.split(",")
     unknown = [p for p in policies if p not in PAIRS]
     if unknown:
         ap.error(f"unknown --presses {unknown}; choose from {list(PAIRS)}")
     lengths = [int(x) for x in a.lengths.split(",")]
-    N, Bk = a.budget, a.block
     for t in lengths:
-        if t <= N:
-            ap.error(f"prompt length {t} must exceed the budget {N} (nothing would be evicted)")
-        kv_ratio(t, N)  # raises when kvpress cannot keep exactly N
+        if t <= a.budget:
+            ap.error(f"prompt length {t} must exceed the budget {a.budget} (nothing would be evicted)")
+        kv_ratio(t, a.budget)  # raises when kvpress cannot keep exactly N
     if "snapkv" in policies and min(lengths) <= a.snapkv_window:
         ap.error("SnapKVPress needs prompts longer than its window")
+    return policies, lengths
 
-    t_start = time.perf_counter()
-    out_md: list[str] = []
 
-    def emit(text: str = ""):
-        print(text, flush=True)
-        out_md.append(text)
-
-    from vdjax import registry
-
-    folder = registry.resolve(a.model)
-    cores = B.n_cores()
-    tokenizer = registry.load_tokenizer(a.model)
-    ids_all, corpus_n = B.corpus_tokens(tokenizer, max(lengths))
-    tmp = Path(tempfile.mkdtemp(prefix="vs-kvpress-"))
-    tok_file = tmp / "tokens.npy"
-    np.save(tok_file, ids_all)
-
-    kv_env = {}
-    if a.omp_wait_policy != "default" and "OMP_WAIT_POLICY" not in os.environ:
-        kv_env["OMP_WAIT_POLICY"] = a.omp_wait_policy
-    omp = os.environ.get("OMP_WAIT_POLICY") or kv_env.get("OMP_WAIT_POLICY") or "unset (libgomp default: spin)"
-    rows, raw = [], {"settings": {k: v for k, v in vars(a).items() if k not in ("worker", "tokens", "T", "threads",
-                                                                                "save")},
-                     "results": []}
-    versions = {}
+def measure_all(a, policies, lengths, folder, tok_file, tmp, cores, kv_env) -> tuple[list[dict], dict]:
+    """Both workers per length; a row per (policy, length) with kept-set agreement and common tokens."""
+    rows, versions = [], {}
     for t in lengths:
-        common = ["--model", str(folder), "--tokens", str(tok_file), "--T", str(t), "--budget", str(N), "--block",
-                  str(Bk), "--new", str(a.new), "--presses", ",".join(policies), "--n-sink", str(a.n_sink),
-                  "--snapkv-window", str(a.snapkv_window), "--snapkv-kernel", str(a.snapkv_kernel), "--reps",
-                  str(a.reps), "--retries", str(a.retries), "--max-wait", str(a.max_wait), "--threads", str(cores),
-                  "--save", str(tmp)]
+        common = ["--model", str(folder), "--tokens", str(tok_file), "--T", str(t), "--budget", str(a.budget),
+                  "--block", str(a.block), "--new", str(a.new), "--presses", ",".join(policies), "--n-sink",
+                  str(a.n_sink), "--snapkv-window", str(a.snapkv_window), "--snapkv-kernel", str(a.snapkv_kernel),
+                  "--reps", str(a.reps), "--retries", str(a.retries), "--max-wait", str(a.max_wait), "--threads",
+                  str(cores), "--save", str(tmp)]
         log(f"[T={t}] vdjax worker ...")
         B.wait_idle(a.max_wait, log=log)
         vd = run_worker(sys.executable, ["--worker", "vdjax"] + common)
@@ -421,70 +390,100 @@ def main():
                 row["agreement"] = agreement(np.load(tmp / f"kvpress-{policy}-{t}.npy"),
                                              np.load(tmp / f"vdjax-{policy}-{t}.npy"))
                 row["same_tokens"] = common_prefix(k["tokens"], v["tokens"])
-            raw["results"].append(row)
             rows.append(row)
+    return rows, versions
 
-    # ---- report ---------------------------------------------------------------------------------------------
-    vd_v, kv_v = versions.get("vdjax") or {}, versions.get("kvpress") or {}
-    tot_gb, avail_gb = B.mem_total_available_gb()
-    emit(f"# vdjax vs kvpress — {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}")
-    emit()
-    emit(f"- machine: {cores} cores ({B.cpu_model()}), {tot_gb:.1f} GiB RAM, {platform.system()} "
-         f"{platform.release()}")
-    emit(f"- vdjax: jax {vd_v.get('jax', '?')} (XLA:CPU on the {cores} visible cores), tree {B.git_state()}; "
-         f"kvpress {kv_v.get('kvpress', '?')} with torch {kv_v.get('torch', '?')}, transformers "
-         f"{kv_v.get('transformers', '?')} (`{a.kvpress_python}`), torch.set_num_threads({cores}), sdpa "
-         f"attention, OMP_WAIT_POLICY={omp}")
-    emit(f"- model: `{a.model}` → `{folder}`, fp32 on both sides; prompts: CPython pydoc topics text tokenized "
-         f"with the model's tokenizer ({corpus_n} tokens), no chat template, the same ids on both sides")
-    emit(f"- budget N={N} kept tokens per KV head (kvpress compression_ratio = 1 − N/T, checked with kvpress's "
-         f"`compute_n_kept` to keep exactly N), block size {Bk}, {a.new} greedy tokens (EOS disabled)")
-    emit(f"- time = wall of prefill + compression + {a.new} tokens; warm on both sides (one untimed run first; "
-         f"vdjax's timed call compiled nothing unless noted); best of {a.reps} timed run(s), re-measured up to "
-         f"{a.retries} time(s) when other processes kept > {B.BUSY} cores busy; 'other load' = cores other "
-         f"processes kept busy during the kept run (a high value means the number is pessimistic)")
-    emit()
-    head = ["kvpress press", "vdjax policy", "T", "kvpress s (prefill + decode)", "vdjax s (prefill + decode)",
-            "speed-up (kvpress s / vdjax s)", "layer-0 kept agreement: overlap % (Jaccard %)",
-            "all-layer overlap %", f"same greedy tokens (of {a.new})", "other load (kvpress / vdjax)", "notes"]
-    cells = []
-    for r in rows:
-        v, k = r["vdjax"], r["kvpress"]
-        if not (v and k):
-            err = (v or {}).get("error") or (k or {}).get("error") or "worker failed"
-            cells.append([r["press"], vd_label(r["policy"], a), B.klabel(r["T"])] + ["—"] * 7 + [f"failed: {err}"])
-            continue
-        ag = r["agreement"]
-        note = NOTES[r["policy"]]
-        if v.get("compiled"):
-            note += f"; vdjax compiled {v['compiled']} program(s) in the timed call"
-        if k.get("unmatched"):
-            note += f"; {k['unmatched']} kvpress rows not matched to a position"
-        if N % Bk:
-            note += "; N % B != 0: block boundaries differ (BlockPress starts at N, vdjax at 0)"
-        cells.append([
-            r["press"], vd_label(r["policy"], a), B.klabel(r["T"]),
+
+def result_cells(a, r: dict) -> list:
+    """One table row of a (policy, length) result."""
+    v, k, N, Bk = r["vdjax"], r["kvpress"], a.budget, a.block
+    if not (v and k):
+        err = (v or {}).get("error") or (k or {}).get("error") or "worker failed"
+        return [r["press"], vd_label(r["policy"], a), B.klabel(r["T"])] + ["—"] * 7 + [f"failed: {err}"]
+    ag = r["agreement"]
+    note = NOTES[r["policy"]]
+    if v.get("compiled"):
+        note += f"; vdjax compiled {v['compiled']} program(s) in the timed call"
+    if k.get("unmatched"):
+        note += f"; {k['unmatched']} kvpress rows not matched to a position"
+    if N % Bk:
+        note += "; N % B != 0: block boundaries differ (BlockPress starts at N, vdjax at 0)"
+    return [r["press"], vd_label(r["policy"], a), B.klabel(r["T"]),
             f"{k['s']:.2f} ({k['prefill_s']:.2f} + {k['decode_s']:.2f})",
             f"{v['s']:.2f} ({v['prefill_s']:.2f} + {v['decode_s']:.2f})",
             B.fx(B.ratio(k["s"], v["s"])),
             f"{100 * ag['layer0_overlap']:.1f} ({100 * ag['layer0_jaccard']:.1f})",
             f"{100 * ag['all_layers_overlap']:.1f}", r["same_tokens"],
-            f"{k['other_load']:.2f} / {v['other_load']:.2f}", note])
-    emit(B.md_table(head, cells))
-    emit()
-    emit("Overlap = |kvpress kept ∩ vdjax kept| / N per KV head, averaged over the KV heads; Jaccard = |∩| / |∪|. "
-         "kvpress's kept positions are recovered by matching the compressed cache's key rows to the uncompressed "
-         "ones inside the press (exact equality), vdjax's are `prefill(...)` cache[l].pos. Layer 0 sees the same "
-         "keys on both sides (its input is the embeddings); from layer 1 on vdjax's keys come from blocks that "
-         "attended to the already-pruned cache, kvpress's from one dense forward, so the all-layer column mixes "
-         "scoring differences with that true-vs-simulated block difference.")
-    emit()
-    emit(f"Total wall time: {(time.perf_counter() - t_start) / 60:.1f} min.")
+            f"{k['other_load']:.2f} / {v['other_load']:.2f}", note]
 
+
+def report(a, rows, versions, folder, cores, corpus_n, omp) -> list[str]:
+    """The Markdown report lines."""
+    vd_v, kv_v = versions.get("vdjax") or {}, versions.get("kvpress") or {}
+    tot_gb, _ = B.mem_total_available_gb()
+    N = a.budget
+    md = [
+        f"# vdjax vs kvpress — {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}", "",
+        f"- machine: {cores} cores ({B.cpu_model()}), {tot_gb:.1f} GiB RAM, {platform.system()} "
+        f"{platform.release()}",
+        f"- vdjax: jax {vd_v.get('jax', '?')} (XLA:CPU on the {cores} visible cores), tree {B.git_state()}; "
+        f"kvpress {kv_v.get('kvpress', '?')} with torch {kv_v.get('torch', '?')}, transformers "
+        f"{kv_v.get('transformers', '?')} (`{a.kvpress_python}`), torch.set_num_threads({cores}), sdpa "
+        f"attention, OMP_WAIT_POLICY={omp}",
+        f"- model: `{a.model}` → `{folder}`, fp32 on both sides; prompts: CPython pydoc topics text tokenized "
+        f"with the model's tokenizer ({corpus_n} tokens), no chat template, the same ids on both sides",
+        f"- budget N={N} kept tokens per KV head (kvpress compression_ratio = 1 − N/T, checked with kvpress's "
+        f"`compute_n_kept` to keep exactly N), block size {a.block}, {a.new} greedy tokens (EOS disabled)",
+        f"- time = wall of prefill + compression + {a.new} tokens; warm on both sides (one untimed run first; "
+        f"vdjax's timed call compiled nothing unless noted); best of {a.reps} timed run(s), re-measured up to "
+        f"{a.retries} time(s) when other processes kept > {B.BUSY} cores busy; 'other load' = cores other "
+        f"processes kept busy during the kept run (a high value means the number is pessimistic)", ""]
+    head = ["kvpress press", "vdjax policy", "T", "kvpress s (prefill + decode)", "vdjax s (prefill + decode)",
+            "speed-up (kvpress s / vdjax s)", "layer-0 kept agreement: overlap % (Jaccard %)",
+            "all-layer overlap %", f"same greedy tokens (of {a.new})", "other load (kvpress / vdjax)", "notes"]
+    md += [B.md_table(head, [result_cells(a, r) for r in rows]), ""]
+    md.append("Overlap = |kvpress kept ∩ vdjax kept| / N per KV head, averaged over the KV heads; Jaccard = |∩| / "
+              "|∪|. kvpress's kept positions are recovered by matching the compressed cache's key rows to the "
+              "uncompressed ones inside the press (exact equality), vdjax's are `prefill(...)` cache[l].pos. Layer 0 "
+              "sees the same keys on both sides (its input is the embeddings); from layer 1 on vdjax's keys come "
+              "from blocks that attended to the already-pruned cache, kvpress's from one dense forward, so the "
+              "all-layer column mixes scoring differences with that true-vs-simulated block difference.")
+    return md + [""]
+
+
+def main(argv=None):
+    ap, a = parse_args(argv)
+    if a.worker:
+        print(json.dumps(worker_vdjax(a) if a.worker == "vdjax" else worker_kvpress(a)))
+        return
+    problem = check_kvpress_python(a.kvpress_python)
+    if problem:
+        print(f"kvpress is not available: {problem}.\n"
+              f"kvpress 0.5.5 needs transformers<5.3, so it lives in its own virtual environment. Create it in the "
+              f"repository root with\n\n    {INSTALL_HINT}\n\n"
+              f"(or pass --kvpress-python PATH). Nothing was measured.")
+        return
+    policies, lengths = check_settings(ap, a)
+    t_start = time.perf_counter()
+    from vdjax import registry
+
+    folder, cores = registry.resolve(a.model), B.n_cores()
+    ids_all, corpus_n = B.corpus_tokens(registry.load_tokenizer(a.model), max(lengths))
+    tmp = Path(tempfile.mkdtemp(prefix="vs-kvpress-"))
+    np.save(tmp / "tokens.npy", ids_all)
+    kv_env = {}
+    if a.omp_wait_policy != "default" and "OMP_WAIT_POLICY" not in os.environ:
+        kv_env["OMP_WAIT_POLICY"] = a.omp_wait_policy
+    omp = os.environ.get("OMP_WAIT_POLICY") or kv_env.get("OMP_WAIT_POLICY") or "unset (libgomp default: spin)"
+    rows, versions = measure_all(a, policies, lengths, folder, tmp / "tokens.npy", tmp, cores, kv_env)
+    md = report(a, rows, versions, folder, cores, corpus_n, omp)
+    md.append(f"Total wall time: {(time.perf_counter() - t_start) / 60:.1f} min.")
+    print("\n".join(md), flush=True)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(out_md) + "\n")
-    raw["versions"] = versions
+    out.write_text("\n".join(md) + "\n")
+    settings = {k: v for k, v in vars(a).items() if k not in ("worker", "tokens", "T", "threads", "save")}
+    raw = {"settings": settings, "results": rows, "versions": versions}
     out.with_suffix(".json").write_text(json.dumps(raw, indent=1, default=str))
     log(f"wrote {out} and {out.with_suffix('.json')}")
 

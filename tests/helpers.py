@@ -1,6 +1,5 @@
 """Shared test helpers: tiny random models without any download."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 

@@ -240,7 +240,7 @@ def test_bad_question(model, question, match):
 
 def test_min_new_tokens_masks_eos(model, prompts, dense_tokens):
     """EOS = the dense first token: it stops at once, unless min_new_tokens forbids EOS for the first tokens."""
-    first, second = int(dense_tokens[0, 0]), int(dense_tokens[0, 1])
+    first = int(dense_tokens[0, 0])
     out = vdjax.run(model, prompts[0], "valuediff", budget=T + NEW, max_new_tokens=NEW, eos_token_id=[first])
     assert out.tokens.tolist() == [[first]]
     out = vdjax.run(model, prompts[0], "valuediff", budget=T + NEW, max_new_tokens=NEW, eos_token_id=[first],

@@ -204,7 +204,7 @@ def select_slots(buf: jax.Array, dest: jax.Array, new: jax.Array) -> jax.Array:
     Each slot takes new row j where dest[j] == slot, else keeps its row. XLA fuses this into a single pass
     over the layer's cache (no aliasing copies around an in-place scatter inside the loop).
     """
-    n, s = buf.shape[2], dest.shape[-1]
+    s = dest.shape[-1]
     src = scatter_slots(jnp.full(buf.shape[:3], -1, jnp.int32), dest, jnp.broadcast_to(jnp.arange(s), dest.shape))
     rows = jnp.take_along_axis(new, jnp.clip(src, 0, s - 1)[..., None], axis=2)  # [B, K, N, D]
     return jnp.where((src >= 0)[..., None], rows, buf)

@@ -26,7 +26,6 @@ import dataclasses
 import functools
 import importlib.resources
 import importlib.util
-import json
 import math
 import random
 import re

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib.util
-import os
 import sys
 import tempfile
 import time
@@ -50,6 +49,9 @@ def _int_at_least(minimum: int):
         return value
 
     return parse
+
+
+_POSITIVE = _int_at_least(1)
 
 
 def _float_in(lo: float, hi: float, lo_open: bool = False):
@@ -625,18 +627,14 @@ def _registered_models() -> list[str]:
 
 
 # ---- entry point -------------------------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
-    """The argparse parser of every subcommand."""
-    parser = _Parser(prog="vdjax", description="Bounded-memory LLM inference by KV-cache eviction.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    positive = _int_at_least(1)
-
+def _add_generate(sub) -> None:
+    """The `vdjax generate` subcommand."""
     g = sub.add_parser("generate", help="answer one prompt under a KV budget and print cache stats")
     g.add_argument("--model", default="smollm2-135m", help="registered name or HF checkpoint folder")
     g.add_argument("--policy", default="valuediff", help="registered policy, optionally +sinksN / +recentN")
-    g.add_argument("--budget", type=positive, help="cache slots per KV head (not needed for dense)")
-    g.add_argument("--block-size", type=positive, default=128)
-    g.add_argument("--max-new-tokens", type=positive, default=64)
+    g.add_argument("--budget", type=_POSITIVE, help="cache slots per KV head (not needed for dense)")
+    g.add_argument("--block-size", type=_POSITIVE, default=128)
+    g.add_argument("--max-new-tokens", type=_POSITIVE, default=64)
     g.add_argument("--temperature", type=_float_in(0, float("inf")), default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=_int_at_least(0), default=0, help="0 = off")
     g.add_argument("--top-p", type=_float_in(0, 1, lo_open=True), default=1.0)
@@ -657,24 +655,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.set_defaults(func=cmd_generate)
 
+
+def _add_demo(sub) -> None:
+    """The `vdjax demo` subcommand."""
     d = sub.add_parser("demo", help="needle-in-a-haystack: every policy at one budget, as a table")
     d.add_argument("--model", default="smollm2-135m")
-    d.add_argument("--length", type=positive, default=2048, help="prompt length in tokens")
-    d.add_argument("--budget", type=positive, help="default: a quarter of the prompt, a multiple of 64")
-    d.add_argument("--block-size", type=positive, default=128)
+    d.add_argument("--length", type=_POSITIVE, default=2048, help="prompt length in tokens")
+    d.add_argument("--budget", type=_POSITIVE, help="default: a quarter of the prompt, a multiple of 64")
+    d.add_argument("--block-size", type=_POSITIVE, default=128)
     d.add_argument(
         "--policies", help="comma list (default: dense, every registered policy, valuediff+sinks4)"
     )
-    d.add_argument("--max-new-tokens", type=positive, default=16)
+    d.add_argument("--max-new-tokens", type=_POSITIVE, default=16)
     d.add_argument("--depth", type=_float_in(0, 1), default=0.5, help="needle position as a fraction")
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=cmd_demo)
 
+
+def _add_convert(sub) -> None:
+    """The `vdjax convert` subcommand."""
     c = sub.add_parser("convert", help="GGUF (registered name or file) -> HF checkpoint folder")
     c.add_argument("source", metavar="NAME_OR_GGUF")
     c.add_argument("--out", help="output folder (default: under $VDJAX_CACHE)")
     c.set_defaults(func=cmd_convert)
 
+
+def _add_eval(sub) -> None:
+    """The `vdjax eval` subcommand."""
     from vdjax.eval.runner import BENCHMARKS
     from vdjax.eval.sample import PROTOCOLS
 
@@ -692,8 +699,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens: RULER's whole input (default 4096); LongBench's prompt after middle truncation "
                         "(no default: give it, or `model` = max_position_embeddings - 500, the model2maxlen "
                         "rule); MATH-500's dense max_new_tokens (default 16384)")
-    e.add_argument("--samples", type=positive, default=20, help="samples per task")
-    e.add_argument("--draws", type=positive, default=1,
+    e.add_argument("--samples", type=_POSITIVE, default=20, help="samples per task")
+    e.add_argument("--draws", type=_POSITIVE, default=1,
                    help="generations per sample (MATH-500's k; needs sampling)")
     e.add_argument("--sampling", choices=("greedy", "model"), default="greedy",
                    help="greedy, or the checkpoint's generation_config.json sampling (temperature, top_p, top_k)")
@@ -709,8 +716,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", default="results", help="results folder (a rerun resumes what is there)")
     e.add_argument("--tasks", type=_name_list, help="comma list (default: every task of the benchmark)")
     e.add_argument("--protocol", choices=PROTOCOLS, default="paper")
-    e.add_argument("--block-size", type=positive, default=128)
-    e.add_argument("--batch-size", type=positive, default=1, help="samples per vdjax.run call")
+    e.add_argument("--block-size", type=_POSITIVE, default=128)
+    e.add_argument("--batch-size", type=_POSITIVE, default=1, help="samples per vdjax.run call")
     e.add_argument("--data-dir", help="benchmark data folder (LongBench, MATH-500)")
     e.add_argument("--seed", type=_int_at_least(0), help="default: the benchmark's (RULER's 42), else 0")
     e.add_argument("--allow-mixed", action="store_true",
@@ -719,28 +726,42 @@ def build_parser() -> argparse.ArgumentParser:
                    help="device mesh, e.g. 4x1: each --batch-size batch split over 4 devices")
     e.set_defaults(func=cmd_eval)
 
+
+def _add_rescore(sub) -> None:
+    """The `vdjax rescore` subcommand."""
     r = sub.add_parser("rescore", help="recompute the scores of stored predictions (after a metric fix)")
     r.add_argument("source", metavar="SOURCE", help="a predictions.jsonl or a folder of them")
     r.set_defaults(func=cmd_rescore)
 
+
+def _add_analyze(sub) -> None:
+    """The `vdjax analyze` subcommand."""
     a = sub.add_parser("analyze", help="KV-geometry diagnostics (σV/σK, sinks, BOS, Jaccard) + hybrid mixes")
     a.add_argument("--model", default="smollm2-135m", help="registered name or HF checkpoint folder")
     a.add_argument("--out", default="results/geometry", help="output folder (one subfolder per model)")
     a.add_argument("--prompts", help="own calibration prompts: .jsonl ({\"text\": ...} per line) or .txt ('---' "
                                      "separated); default: the built-in narrative/qa/code/math/retrieval set")
-    a.add_argument("--length", type=positive, default=2048, help="tokens per prompt (capped at the model's limit)")
-    a.add_argument("--per-category", type=positive, default=4, help="built-in prompts per category")
+    a.add_argument("--length", type=_POSITIVE, default=2048, help="tokens per prompt (capped at the model's limit)")
+    a.add_argument("--per-category", type=_POSITIVE, default=4, help="built-in prompts per category")
     a.add_argument("--tau", type=_float_in(0, 1, lo_open=True), default=0.3, help="sink threshold")
     a.add_argument("--topk", type=_int_at_least(0), default=256, help="Jaccard top-k (0 = skip Jaccard)")
     a.add_argument("--n-queries", type=_int_at_least(2), default=128, help="Jaccard query positions")
     a.add_argument("--jaccard-prompts", type=_int_at_least(0), default=8)
     a.add_argument("--fit", action="store_true", help="also fit the hybrid mix with optax")
-    a.add_argument("--budget", type=positive, default=256, help="cache budget N the fit targets")
-    a.add_argument("--block-size", type=positive, default=128)
-    a.add_argument("--fit-prompts", type=positive, default=4)
-    a.add_argument("--fit-steps", type=positive, default=60)
+    a.add_argument("--budget", type=_POSITIVE, default=256, help="cache budget N the fit targets")
+    a.add_argument("--block-size", type=_POSITIVE, default=128)
+    a.add_argument("--fit-prompts", type=_POSITIVE, default=4)
+    a.add_argument("--fit-steps", type=_POSITIVE, default=60)
     a.add_argument("--per-head", action="store_true", help="one weight per KV head instead of per layer")
     a.set_defaults(func=cmd_analyze)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser of every subcommand."""
+    parser = _Parser(prog="vdjax", description="Bounded-memory LLM inference by KV-cache eviction.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for add in (_add_generate, _add_demo, _add_convert, _add_eval, _add_rescore, _add_analyze):
+        add(sub)
     return parser
 
 

@@ -438,6 +438,44 @@ class Generation:
     budget: int
 
 
+def _stop_tokens(cfg, eos_token_id) -> tuple[jax.Array, jax.Array]:
+    """(EOS ids [E] int32: `eos_token_id`, else the model's; the pad id finished rows get)."""
+    eos = cfg.eos_token_ids if eos_token_id is None else eos_token_id
+    eos = jnp.asarray(np.atleast_1d(np.asarray(eos if eos is not None else [], np.int32)).reshape(-1), jnp.int32)
+    pad = cfg.pad_token_id if cfg.pad_token_id is not None else (int(eos[0]) if eos.size else 0)
+    return eos, jnp.int32(pad)
+
+
+def _keys(key, x: Placed):
+    """The sampling key(s): key(0) by default; one per row checked against the rows (and copied onto the
+    mesh's padding rows)."""
+    key = jax.random.key(0) if key is None else key
+    if not is_row_keys(key):
+        return key
+    if key.shape[0] != x.rows:
+        raise ValueError(f"key holds {key.shape[0]} row keys for {x.rows} rows; give one key, or one per row "
+                         "(jax.random.split(key, rows))")
+    extra = x.tokens.shape[0] - x.rows
+    return key if not extra else jnp.concatenate([key, jnp.repeat(key[:1], extra, axis=0)])
+
+
+def _append_question(x: Placed, p: Plan, cache: KVCache, q_ids: np.ndarray, extra_q: int):
+    """Question-agnostic protocol: append the question ids [B, Q] whole after the context was cut to budget
+    (the cache grows by `extra_q` >= Q slots, nothing is evicted). Returns (cache, last logits, slots)."""
+    q_ids = x.pad_rows(q_ids)
+    q_len = q_ids.shape[1]
+    q_tokens = np.zeros((q_ids.shape[0], extra_q), np.int32)
+    q_tokens[:, :q_len] = q_ids
+    steps_q = np.arange(extra_q)[None]
+    q_pos = np.where(steps_q < q_len, x.host_lengths[:, None] + steps_q, -1)
+    slots = p.slots
+    if not p.policy.is_dense:
+        cache, slots = _grow(cache, extra_q), slots + extra_q
+    cache, logits = _extend(x.params, cache, jnp.asarray(q_tokens), jnp.asarray(q_pos, jnp.int32),
+                            policy=p.policy, hyper=p.hyper, **x.jit_kw)
+    return cache, logits, slots
+
+
 def run(
     params: Params,
     ids,
@@ -477,39 +515,21 @@ def run(
     extra_q = 0 if q_ids is None else -(-q_ids.shape[1] // QUESTION_PAD) * QUESTION_PAD
     max_out = bucket(max_new)  # nearby max_new_tokens share one decode program (and dense cache size)
     p = plan(params, ids, policy, budget, block_size, max_out + extra_q, attention_mask, **policy_kwargs)
-    cfg = params.config
-    eos = cfg.eos_token_ids if eos_token_id is None else eos_token_id
-    eos = jnp.asarray(np.atleast_1d(np.asarray(eos if eos is not None else [], np.int32)).reshape(-1), jnp.int32)
-    pad = cfg.pad_token_id if cfg.pad_token_id is not None else (int(eos[0]) if eos.size else 0)
-    key = jax.random.key(0) if key is None else key
-    if is_row_keys(key):
-        if key.shape[0] != p.tokens.shape[0]:
-            raise ValueError(f"key holds {key.shape[0]} row keys for {p.tokens.shape[0]} rows; give one key, "
-                             "or one per row (jax.random.split(key, rows))")
+    eos, pad = _stop_tokens(params.config, eos_token_id)
     x = place(params, p.tokens, p.lengths, mesh)
-    if is_row_keys(key) and x.live is not None:  # the mesh's padding rows: copies of row 0's key
-        key = jnp.concatenate([key, jnp.repeat(key[:1], x.tokens.shape[0] - key.shape[0], axis=0)])
+    key = _keys(key, x)
     params, lengths = x.params, x.lengths
     t0 = time.perf_counter()
     cache, logits = _prefill(params, x.tokens, lengths, policy=p.policy, hyper=p.hyper, slots=p.slots,
                              block=p.block, **x.jit_kw)
     slots = p.slots
     if q_ids is not None:
-        q_ids = x.pad_rows(q_ids)
-        q_len = q_ids.shape[1]
-        q_tokens = np.zeros((q_ids.shape[0], extra_q), np.int32)
-        q_tokens[:, :q_len] = q_ids
-        steps_q = np.arange(extra_q)[None]
-        q_pos = np.where(steps_q < q_len, x.host_lengths[:, None] + steps_q, -1)
-        if not p.policy.is_dense:
-            cache, slots = _grow(cache, extra_q), slots + extra_q
-        cache, logits = _extend(params, cache, jnp.asarray(q_tokens), jnp.asarray(q_pos, jnp.int32),
-                                policy=p.policy, hyper=p.hyper, **x.jit_kw)
-        lengths = lengths + q_len
+        cache, logits, slots = _append_question(x, p, cache, q_ids, extra_q)
+        lengths = lengths + q_ids.shape[1]
     logits.block_until_ready()
     t1 = time.perf_counter()
     padded = {} if x.live is None else {"live": x.live}
-    out, steps, cache = _decode(params, cache, logits, lengths, key, eos, jnp.int32(pad), jnp.int32(max_new),
+    out, steps, cache = _decode(params, cache, logits, lengths, key, eos, pad, jnp.int32(max_new),
                                 policy=p.policy, hyper=p.hyper, max_out=max_out, temperature=float(temperature),
                                 top_k=int(top_k), top_p=float(top_p), min_new=min_new, **x.jit_kw, **padded)
     out = np.asarray(out)
