@@ -348,7 +348,8 @@ def place(params: Params, tokens: np.ndarray, lengths: np.ndarray, mesh=None) ->
     Without a mesh: the inputs as device arrays, nothing padded.
     """
     if mesh is None:
-        return Placed(params, jnp.asarray(tokens), jnp.asarray(lengths), lengths, tokens.shape[0], None)
+        # device_put, not jnp.asarray: the latter compiles a small staging program per new shape
+        return Placed(params, jax.device_put(tokens), jax.device_put(lengths), lengths, tokens.shape[0], None)
     check_mesh(mesh)
     b = tokens.shape[0]
     extra = -b % mesh.shape["data"]
@@ -441,9 +442,9 @@ class Generation:
 def _stop_tokens(cfg, eos_token_id) -> tuple[jax.Array, jax.Array]:
     """(EOS ids [E] int32: `eos_token_id`, else the model's; the pad id finished rows get)."""
     eos = cfg.eos_token_ids if eos_token_id is None else eos_token_id
-    eos = jnp.asarray(np.atleast_1d(np.asarray(eos if eos is not None else [], np.int32)).reshape(-1), jnp.int32)
+    eos = np.atleast_1d(np.asarray(eos if eos is not None else [], np.int32)).reshape(-1)
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else (int(eos[0]) if eos.size else 0)
-    return eos, jnp.int32(pad)
+    return jax.device_put(eos), jax.device_put(np.int32(pad))
 
 
 def _keys(key, x: Placed):
@@ -471,7 +472,7 @@ def _append_question(x: Placed, p: Plan, cache: KVCache, q_ids: np.ndarray, extr
     slots = p.slots
     if not p.policy.is_dense:
         cache, slots = _grow(cache, extra_q), slots + extra_q
-    cache, logits = _extend(x.params, cache, jnp.asarray(q_tokens), jnp.asarray(q_pos, jnp.int32),
+    cache, logits = _extend(x.params, cache, jax.device_put(q_tokens), jax.device_put(q_pos.astype(np.int32)),
                             policy=p.policy, hyper=p.hyper, **x.jit_kw)
     return cache, logits, slots
 
@@ -529,7 +530,7 @@ def run(
     logits.block_until_ready()
     t1 = time.perf_counter()
     padded = {} if x.live is None else {"live": x.live}
-    out, steps, cache = _decode(params, cache, logits, lengths, key, eos, pad, jnp.int32(max_new),
+    out, steps, cache = _decode(params, cache, logits, lengths, key, eos, pad, jax.device_put(np.int32(max_new)),
                                 policy=p.policy, hyper=p.hyper, max_out=max_out, temperature=float(temperature),
                                 top_k=int(top_k), top_p=float(top_p), min_new=min_new, **x.jit_kw, **padded)
     out = np.asarray(out)
