@@ -30,6 +30,7 @@ _GENERIC_KEYS = frozenset(
     }
 )
 _ROPE_TYPES = ("default", "llama3", "linear")
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 
 
 def supported_architectures() -> tuple[str, ...]:
@@ -43,7 +44,7 @@ def supported_architectures() -> tuple[str, ...]:
 class ModelConfig:
     """Static description of a decoder-only transformer (hashable: a valid jit static argument)."""
 
-    family: str  # "llama" | "qwen2" | "qwen3" | "gemma2" | "gemma3"
+    family: str  # a key of models/families.py FAMILIES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -65,11 +66,19 @@ class ModelConfig:
     attn_softcap: float | None = None
     final_softcap: float | None = None
     query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (default head_dim)
-    layer_types: tuple[str, ...] = ()  # "full_attention" | "sliding_attention" per layer
+    layer_types: tuple[str, ...] = ()  # "full_attention" | "sliding_attention" | "linear_attention" per layer
     sliding_window: int | None = None
     post_norms: bool = False  # norms on the attention and MLP outputs before the residual add (Gemma2/3)
     qkv_bias: bool = False  # q/k/v projection biases (Qwen2; Llama/Qwen3 with attention_bias)
     o_bias: bool = False  # output projection bias (Llama/Qwen3 with attention_bias)
+    attn_gate: bool = False  # q_proj also yields a gate per head: attention output x sigmoid(gate) (Qwen3.5)
+    rotary_dim: int | None = None  # RoPE on the first rotary_dim dims of each head (None: all; Qwen3.5: D/4)
+    # Gated DeltaNet ("linear_attention" layers, Qwen3.5): key/value heads, their dims, the conv kernel
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
@@ -80,9 +89,17 @@ class ModelConfig:
             object.__setattr__(self, "layer_types", ("full_attention",) * self.num_layers)
         if len(self.layer_types) != self.num_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
-        bad = sorted(set(self.layer_types) - {"full_attention", "sliding_attention"})
+        bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
         if bad:
-            raise ValueError(f"layer_types {bad} not handled; allowed: 'full_attention', 'sliding_attention'")
+            raise ValueError(f"layer_types {bad} not handled; allowed: {LAYER_TYPES}")
+        if "linear_attention" in self.layer_types:
+            dims = (self.linear_num_key_heads, self.linear_num_value_heads, self.linear_key_head_dim,
+                    self.linear_value_head_dim, self.linear_conv_kernel)
+            if min(dims) < 1 or self.linear_num_value_heads % self.linear_num_key_heads:
+                raise ValueError(f"linear_attention layers need linear heads / dims / conv kernel >= 1 and value "
+                                 f"heads a multiple of key heads, got {dims}")
+        if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise ValueError(f"rotary_dim={self.rotary_dim} must be even and in (0, head_dim={self.head_dim}]")
         if "sliding_attention" in self.layer_types and not self.sliding_window:
             raise ValueError("layer_types has sliding layers but sliding_window is not set")
         if self.num_heads % self.num_kv_heads:
@@ -104,6 +121,15 @@ class ModelConfig:
     def rope_scaling_dict(self) -> dict[str, Any]:
         """RoPE scaling parameters as a dict ({} for plain RoPE)."""
         return dict(self.rope_scaling or ())
+
+    def attends(self, layer: int) -> bool:
+        """Whether `layer` has attention (and a KV cache); False for Gated DeltaNet layers."""
+        return self.layer_types[layer] != "linear_attention"
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """Indices of the layers with a KV cache (every layer but the linear-attention ones)."""
+        return tuple(i for i in range(self.num_layers) if self.attends(i))
 
     def window(self, layer: int) -> int | None:
         """The sliding window W of `layer` (q_pos - kv_pos < W is visible), or None for a global layer."""
@@ -196,6 +222,11 @@ def stop_ids(eos: Any, generation: Mapping[str, Any] | None = None) -> tuple[int
 def _problems(hf: Mapping[str, Any], outer: Mapping[str, Any], arch) -> list[str]:
     """Every setting of the config vdjax cannot reproduce: the family's refusals, generic ones, unknown keys."""
     problems = list(arch.family.problems(hf))
+    rope = hf.get("rope_parameters") or {}
+    partial = (rope.get("partial_rotary_factor") if isinstance(rope, Mapping) else None) or hf.get(
+        "partial_rotary_factor")
+    if partial not in (None, 1, 1.0) and "partial_rotary_factor" not in arch.family.reads:
+        problems.append(f"partial_rotary_factor={partial} (partial RoPE is handled for Qwen3.5 only)")
     if hf.get("mlp_bias", False):
         problems.append("mlp_bias=True (MLP biases are not handled)")
     if hf.get("use_bidirectional_attention"):
@@ -241,7 +272,8 @@ def from_hf_config(hf: Mapping[str, Any], generation: Mapping[str, Any] | None =
         head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
         rms_norm_eps=float(get("rms_norm_eps", 1e-5)), rope_theta=theta, rope_scaling=scaling,
         local_rope_theta=local_theta, local_rope_scaling=local_scaling,
-        tie_embeddings=bool(get("tie_word_embeddings", False)), layer_types=types,
+        tie_embeddings=bool(outer.get("tie_word_embeddings", False) if arch.tie_outer
+                            else get("tie_word_embeddings", False)), layer_types=types,
         sliding_window=int(hf["sliding_window"]) if "sliding_attention" in types else None,
         bos_token_id=get("bos_token_id"), eos_token_ids=stop_ids(get("eos_token_id"), generation),
         pad_token_id=get("pad_token_id"), max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),

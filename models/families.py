@@ -8,15 +8,26 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from vdjax.models.spec import Arch, Family, Layout, Weight, heads_bias, heads_in, heads_out, transpose
+from vdjax.models.spec import (Arch, Family, Layout, Weight, heads_bias, heads_in, heads_out, keep, q_heads_in,
+                               transpose)
 
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
 
 
 # ---- weight groups ----------------------------------------------------------------------------------------
+def _attends(cfg, layer) -> bool:
+    """`when` of an attention weight: every layer but a Gated DeltaNet one."""
+    return cfg.attends(layer)
+
+
 def _has(switch: str):
-    """`when` of a weight present only where the config switch is on."""
-    return lambda cfg, layer: bool(getattr(cfg, switch))
+    """`when` of an attention weight present only where the config switch is on."""
+    return lambda cfg, layer: bool(getattr(cfg, switch)) and cfg.attends(layer)
+
+
+def _linear(cfg, layer) -> bool:
+    """`when` of a Gated DeltaNet weight."""
+    return not cfg.attends(layer)
 
 
 MODEL = (
@@ -26,10 +37,10 @@ MODEL = (
     Weight("lm_head", ("vocab", "hidden"), "^lm_head.weight", layer=False),
 )
 ATTENTION = (
-    Weight("wq", ("hidden", "q_heads", "head_dim"), "self_attn.q_proj.weight", heads_in),
-    Weight("wk", ("hidden", "kv_heads", "head_dim"), "self_attn.k_proj.weight", heads_in),
-    Weight("wv", ("hidden", "kv_heads", "head_dim"), "self_attn.v_proj.weight", heads_in),
-    Weight("wo", ("q_heads", "head_dim", "hidden"), "self_attn.o_proj.weight", heads_out),
+    Weight("wq", ("hidden", "q_heads", "q_dim"), "self_attn.q_proj.weight", q_heads_in, when=_attends),
+    Weight("wk", ("hidden", "kv_heads", "head_dim"), "self_attn.k_proj.weight", heads_in, when=_attends),
+    Weight("wv", ("hidden", "kv_heads", "head_dim"), "self_attn.v_proj.weight", heads_in, when=_attends),
+    Weight("wo", ("q_heads", "head_dim", "hidden"), "self_attn.o_proj.weight", heads_out, when=_attends),
     Weight("bq", ("q_heads", "head_dim"), "self_attn.q_proj.bias", heads_bias, when=_has("qkv_bias")),
     Weight("bk", ("kv_heads", "head_dim"), "self_attn.k_proj.bias", heads_bias, when=_has("qkv_bias")),
     Weight("bv", ("kv_heads", "head_dim"), "self_attn.v_proj.bias", heads_bias, when=_has("qkv_bias")),
@@ -53,6 +64,36 @@ GEMMA_NORMS = (
     Weight("post_attn_norm", ("hidden",), "post_attention_layernorm.weight", init="norm"),
     Weight("mlp_norm", ("hidden",), "pre_feedforward_layernorm.weight", init="norm"),
     Weight("post_mlp_norm", ("hidden",), "post_feedforward_layernorm.weight", init="norm"),
+)
+
+
+# Gated DeltaNet (Qwen3.5's linear-attention layers; `models/deltanet.py`)
+def _lin_heads_in(w, cfg):
+    """in_proj_z [Hv*dv, H] -> [H, Hv, dv]."""
+    return w.T.reshape(cfg.hidden_size, cfg.linear_num_value_heads, -1)
+
+
+def _lin_heads_out(w, cfg):
+    """out_proj [H, Hv*dv] -> [Hv, dv, H]."""
+    return w.T.reshape(cfg.linear_num_value_heads, -1, cfg.hidden_size)
+
+
+def _conv_taps(w, cfg):
+    """conv1d [C, 1, K] -> [K, C] (tap K - 1 multiplies the current token)."""
+    return w.reshape(w.shape[0], -1).T
+
+
+DELTANET = (
+    Weight("w_qkv", ("hidden", "lin_qkv"), "linear_attn.in_proj_qkv.weight", transpose, when=_linear),
+    Weight("w_z", ("hidden", "lin_v_heads", "lin_dv"), "linear_attn.in_proj_z.weight", _lin_heads_in, when=_linear),
+    Weight("w_b", ("hidden", "lin_v_heads"), "linear_attn.in_proj_b.weight", transpose, when=_linear),
+    Weight("w_a", ("hidden", "lin_v_heads"), "linear_attn.in_proj_a.weight", transpose, when=_linear),
+    Weight("conv_w", ("conv_kernel", "lin_qkv"), "linear_attn.conv1d.weight", _conv_taps, when=_linear),
+    Weight("dt_bias", ("lin_v_heads",), "linear_attn.dt_bias", keep, init="gain", when=_linear),
+    Weight("A_log", ("lin_v_heads",), "linear_attn.A_log", keep, when=_linear),
+    Weight("dn_norm", ("lin_dv",), "linear_attn.norm.weight", keep, init="gain", when=_linear),  # plain w
+    Weight("w_out", ("lin_v_heads", "lin_dv", "hidden"), "linear_attn.out_proj.weight", _lin_heads_out,
+           when=_linear),
 )
 
 
@@ -80,6 +121,33 @@ def _gemma_switches(hf: Mapping) -> dict:
 
 def _gemma3_switches(hf: Mapping) -> dict:
     return _gemma_switches(hf) | dict(qk_norm=True)
+
+
+def _qwen3_5_switches(hf: Mapping) -> dict:
+    rope = dict(hf.get("rope_parameters") or {})
+    factor = float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25)))
+    head_dim = int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
+    return dict(norm_offset=1.0, qk_norm=True, attn_gate=True, rotary_dim=int(head_dim * factor),
+                linear_num_key_heads=int(hf.get("linear_num_key_heads", 16)),
+                linear_num_value_heads=int(hf.get("linear_num_value_heads", 32)),
+                linear_key_head_dim=int(hf.get("linear_key_head_dim", 128)),
+                linear_value_head_dim=int(hf.get("linear_value_head_dim", 128)),
+                linear_conv_kernel=int(hf.get("linear_conv_kernel_dim", 4)))
+
+
+def _qwen3_5_layers(hf: Mapping, n: int) -> tuple[str, ...]:
+    """`layer_types`, else every `full_attention_interval`-th layer (default 4) attends, the others are
+    Gated DeltaNet layers."""
+    every = int(hf.get("full_attention_interval", 4))
+    return tuple(hf.get("layer_types") or ("linear_attention" if (i + 1) % every else "full_attention"
+                                          for i in range(n)))
+
+
+def _qwen3_5_problems(hf: Mapping) -> list[str]:
+    out = _silu_only("Qwen3.5")(hf)
+    if hf.get("attention_bias", False):
+        out.append("attention_bias=True (not handled for Qwen3.5)")
+    return out
 
 
 def _silu_only(arch: str):
@@ -147,7 +215,19 @@ GEMMA2 = Family("gemma2", MODEL + GEMMA_NORMS + ATTENTION + MLP, _gemma_switches
 GEMMA3 = Family("gemma3", GEMMA2.weights, _gemma3_switches, _GEMMA_READS, _gemma3_layers, _gemma_problems,
                 defaults=_GEMMA_DEFAULTS | {"rope_theta": 1_000_000.0}, local_rope=True)
 
-FAMILIES = {f.name: f for f in (LLAMA, QWEN2, QWEN3, GEMMA2, GEMMA3)}
+# Qwen3.5: gated attention every 4th layer, Gated DeltaNet in between; (1+w) norms everywhere (q/k-norm too)
+# but the DeltaNet output norm (plain w); partial RoPE (the text model's mRoPE sections give 1-D positions).
+# Read but without effect in HF's modeling code (and so here): attn_output_gate (it always gates),
+# mamba_ssm_dtype (the rule runs in fp32), mtp_* (the multi-token-prediction head, skipped), mlp_only_layers.
+QWEN3_5 = Family("qwen3_5", MODEL + LLAMA_NORMS + ATTENTION + MLP + DELTANET, _qwen3_5_switches,
+                 frozenset({"layer_types", "full_attention_interval", "linear_num_key_heads",
+                            "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                            "linear_conv_kernel_dim", "partial_rotary_factor", "attn_output_gate",
+                            "mamba_ssm_dtype", "mtp_num_hidden_layers", "mtp_use_dedicated_embeddings",
+                            "mlp_only_layers", "output_gate_type"}),
+                 _qwen3_5_layers, _qwen3_5_problems, defaults={"rms_norm_eps": 1e-6})
+
+FAMILIES = {f.name: f for f in (LLAMA, QWEN2, QWEN3, GEMMA2, GEMMA3, QWEN3_5)}
 
 # The multimodal Gemma3 checkpoint: the text model under a language-model prefix; the vision tower and the
 # projector are read by nobody here. transformers >= 4.52 in memory / older saves: model.language_model.*;
@@ -159,6 +239,13 @@ _GEMMA3_MM = (
 _MM_KEYS = frozenset({"text_config", "vision_config", "mm_tokens_per_image", "boi_token_index", "eoi_token_index",
                       "image_token_index", "image_token_id", "initializer_range"})
 
+# Qwen3.5 checkpoints: the released (multimodal) layout keeps the text model under model.language_model.*
+# beside model.visual.* and mtp.*, lm_head at the top; Qwen3_5ForCausalLM.save_pretrained writes model.*.
+_QWEN3_5_SKIP = ("model.visual.{*}", "mtp.{*}")
+_QWEN3_5_LAYOUTS = (Layout("model.language_model.", "", _QWEN3_5_SKIP), Layout("model.", "", _QWEN3_5_SKIP))
+_QWEN3_5_MM_KEYS = frozenset({"text_config", "vision_config", "image_token_id", "video_token_id",
+                              "vision_start_token_id", "vision_end_token_id", "initializer_range"})
+
 ARCHITECTURES = {a.name: a for a in (
     Arch("LlamaForCausalLM", LLAMA, ("llama",)),
     Arch("Qwen2ForCausalLM", QWEN2, ("qwen2",)),
@@ -167,4 +254,8 @@ ARCHITECTURES = {a.name: a for a in (
     Arch("Gemma3ForCausalLM", GEMMA3, ("gemma3_text",)),
     Arch("Gemma3ForConditionalGeneration", GEMMA3, ("gemma3",), nested=True, layouts=_GEMMA3_MM,
          outer_keys=_MM_KEYS),
+    Arch("Qwen3_5ForCausalLM", QWEN3_5, ("qwen3_5_text",), layouts=_QWEN3_5_LAYOUTS[::-1]),
+    # HF ties the multimodal model's embeddings by the top-level tie_word_embeddings, not text_config's
+    Arch("Qwen3_5ForConditionalGeneration", QWEN3_5, ("qwen3_5",), nested=True, layouts=_QWEN3_5_LAYOUTS,
+         outer_keys=_QWEN3_5_MM_KEYS, tie_outer=True),
 )}

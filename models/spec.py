@@ -40,8 +40,13 @@ def transpose(w, cfg):
 
 
 def heads_in(w, cfg):
-    """q/k/v_proj [N*D, H] -> [H, N, D]."""
+    """k/v_proj [N*D, H] -> [H, N, D]."""
     return w.T.reshape(cfg.hidden_size, -1, cfg.head_dim)
+
+
+def q_heads_in(w, cfg):
+    """q_proj [Nq*Dq, H] -> [H, Nq, Dq] (Dq = D, or 2D with an output gate: [query_h | gate_h] per head)."""
+    return w.T.reshape(cfg.hidden_size, cfg.num_heads, -1)
 
 
 def heads_out(w, cfg):
@@ -65,7 +70,8 @@ class Weight:
     `hf` is the HF key: for a layer weight relative to the layer (`self_attn.q_proj.weight`), for a model-level
     weight relative to the model prefix (`embed_tokens.weight`), or `^lm_head.weight` for a key relative to the
     head prefix (outside the model). `init`: "normal" (N(0, 1) x scale), "embed" (x 3 scale), "norm" (the
-    family's identity norm weight 1 - norm_offset, plus noise), "zeros", "ones". `when(cfg, layer)`: whether
+    family's identity norm weight 1 - norm_offset, plus noise), "gain" (1 plus noise: a plain-weight norm
+    whatever the family's offset), "zeros", "ones". `when(cfg, layer)`: whether
     the config has this weight (at this layer; layer None for model-level weights).
     """
 
@@ -132,13 +138,19 @@ class Arch:
     nested: bool = False
     layouts: tuple[Layout, ...] = (Layout(),)
     outer_keys: frozenset[str] = frozenset()  # top-level config keys of a nested config, not the text model's
+    tie_outer: bool = False  # a nested config ties embeddings by its top-level tie_word_embeddings
 
 
 # ---- derivations ------------------------------------------------------------------------------------------
 def dims(cfg) -> dict[str, int]:
     """Named dimension sizes of a config."""
+    v_heads, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
     return {"vocab": cfg.vocab_size, "hidden": cfg.hidden_size, "q_heads": cfg.num_heads,
-            "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "mlp": cfg.intermediate_size}
+            "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "mlp": cfg.intermediate_size,
+            "q_dim": cfg.head_dim * (2 if cfg.attn_gate else 1),  # query (+ gate) per head
+            # Gated DeltaNet: the [q | k | v] projection, value heads, their dim, the conv kernel
+            "lin_qkv": 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + v_heads * dv,
+            "lin_v_heads": v_heads, "lin_dv": dv, "conv_kernel": cfg.linear_conv_kernel}
 
 
 def family_of(cfg) -> Family:
@@ -205,8 +217,8 @@ def _draw(cfg, w: Weight, normal: Callable, scale: float):
     noise = normal(shape) * scale
     if w.init == "embed":
         return noise * 3
-    if w.init == "norm":
-        return (1.0 - cfg.norm_offset) + noise * 0.3
+    if w.init in ("norm", "gain"):
+        return (1.0 - (cfg.norm_offset if w.init == "norm" else 0.0)) + noise * 0.3
     return noise
 
 
@@ -266,4 +278,4 @@ def split_axis(cfg, name: str, model_size: int) -> int | None:
 
 
 HEAD_AXES = ("q_heads", "kv_heads")
-SPLIT_AXES = ("mlp",)
+SPLIT_AXES = ("mlp", "lin_v_heads")

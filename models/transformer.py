@@ -1,5 +1,8 @@
 """One decoder-only transformer as pure functions over a params pytree; family differences are config switches.
 
+Layers attend (full or sliding window; optionally gated, with partial RoPE) or, where `layer_types` says
+"linear_attention", run a Gated DeltaNet mixer (`models/deltanet.py`); every layer then has the same MLP.
+
 Shape letters: B batch, S block (query) length, N cache slots, C = N + S candidates, H hidden, Nq query heads,
 K kv heads, G = Nq // K query heads per kv head, D head dim, F MLP width, V vocab, L layers.
 """
@@ -13,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from vdjax.models.config import ModelConfig
+from vdjax.models.deltanet import LinearState, deltanet
 from vdjax.models.params import Params
 
 MASK_VALUE = -1e30  # finite, so a fully masked (padding) query row gives no NaN
@@ -32,7 +36,7 @@ def rope_inv_freq(cfg: ModelConfig, theta: float | None = None, scaling: dict | 
     scaling applied when `scaling` (default the global one) asks for it."""
     theta = cfg.rope_theta if theta is None else theta
     scaling = cfg.rope_scaling_dict if scaling is None else scaling
-    dim = cfg.head_dim
+    dim = cfg.rotary_dim or cfg.head_dim  # partial RoPE (Qwen3.5) rotates the first rotary_dim dims
     inv = (1.0 / (np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))).astype(
         np.float32
     )
@@ -53,9 +57,13 @@ def rope_inv_freq(cfg: ModelConfig, theta: float | None = None, scaling: dict | 
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotate x [B, S, heads, D] at absolute positions [B, S] (HF rotate_half convention)."""
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, S, D/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [B, S, 1, D]
+    """Rotate x [B, S, heads, D] at absolute positions [B, S] (HF rotate_half convention) over its first
+    R = 2 len(inv_freq) dims (all of them but for partial RoPE); the other D - R pass through."""
+    rd = 2 * inv_freq.shape[-1]
+    if rd < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :rd], positions, inv_freq), x[..., rd:]], axis=-1)
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, S, R/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [B, S, 1, R]
     cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
@@ -71,12 +79,16 @@ def embed(params: Params, ids: jax.Array) -> jax.Array:
 
 
 def project_qkv(lw: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig, inv_freq: jax.Array):
-    """Project normed hidden states [B, S, H] to q [B, S, Nq, D], k and v [B, S, K, D].
+    """Project normed hidden states [B, S, H] to q [B, S, Nq, D], k and v [B, S, K, D], and the output gate
+    [B, S, Nq, D] (None unless `attn_gate`: Qwen3.5's wq yields [query | gate] per head).
 
-    Biases added where the family has them (Qwen2), per-head q/k RMSNorm where it has it (Qwen3, Gemma3),
-    then RoPE on q and k.
+    Biases added where the family has them (Qwen2), per-head q/k RMSNorm where it has it (Qwen3, Gemma3,
+    Qwen3.5), then RoPE on q and k.
     """
     q = jnp.einsum("bsh,hnd->bsnd", x, lw["wq"])
+    gate = None
+    if cfg.attn_gate:
+        q, gate = q[..., : cfg.head_dim], q[..., cfg.head_dim:]
     k = jnp.einsum("bsh,hkd->bskd", x, lw["wk"])
     v = jnp.einsum("bsh,hkd->bskd", x, lw["wv"])
     if cfg.qkv_bias:
@@ -84,7 +96,7 @@ def project_qkv(lw: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig, 
     if cfg.qk_norm:
         q = rms_norm(q, lw["q_norm"], cfg.rms_norm_eps, cfg.norm_offset)
         k = rms_norm(k, lw["k_norm"], cfg.rms_norm_eps, cfg.norm_offset)
-    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v, gate
 
 
 def attend(
@@ -139,6 +151,15 @@ def mlp(lw: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     return jnp.einsum("bsf,fh->bsh", act * up, lw["w_down"])
 
 
+def mlp_block(lw: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The second half of every layer: x + MLP(norm(x)) (post-norm on the MLP output where the family has it)."""
+    eps, off = cfg.rms_norm_eps, cfg.norm_offset
+    m = mlp(lw, rms_norm(x, lw["mlp_norm"], eps, off), cfg)
+    if cfg.post_norms:
+        m = rms_norm(m, lw["post_mlp_norm"], eps, off)
+    return x + m
+
+
 def layer_forward(
     lw: dict,  # one layer's weights (no leading L axis)
     x: jax.Array,  # [B, S, H]
@@ -150,23 +171,29 @@ def layer_forward(
     inv_freq: jax.Array,  # [D/2]
     window: jax.Array | int | None = None,
 ):
-    """One decoder layer over a block; returns (x_out [B,S,H], k_new [B,K,S,D], v_new [B,K,S,D], probs)."""
+    """One attention layer over a block; returns (x_out [B,S,H], k_new [B,K,S,D], v_new [B,K,S,D], probs)."""
     eps, off = cfg.rms_norm_eps, cfg.norm_offset
     h = rms_norm(x, lw["attn_norm"], eps, off)
-    q, k, v = project_qkv(lw, h, q_pos, cfg, inv_freq)
+    q, k, v, gate = project_qkv(lw, h, q_pos, cfg, inv_freq)
     k_new, v_new = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, S, D]
     o, probs = attend(q, q_pos, k_cache, v_cache, pos_cache, k_new, v_new, cfg, window)
+    if gate is not None:  # gated attention (Qwen3.5): the output times sigmoid(gate), before o_proj
+        o = o * jax.nn.sigmoid(gate)
     b, s, nq, d = o.shape  # flatten heads so XLA transposes the small activation, not the weight
     a = jnp.einsum("bsx,xh->bsh", o.reshape(b, s, nq * d), lw["wo"].reshape(nq * d, -1))
     if cfg.o_bias:
         a = a + lw["bo"]
     if cfg.post_norms:
         a = rms_norm(a, lw["post_attn_norm"], eps, off)
-    x = x + a
-    m = mlp(lw, rms_norm(x, lw["mlp_norm"], eps, off), cfg)
-    if cfg.post_norms:
-        m = rms_norm(m, lw["post_mlp_norm"], eps, off)
-    return x + m, k_new, v_new, probs
+    return mlp_block(lw, x + a, cfg), k_new, v_new, probs
+
+
+def linear_layer_forward(lw: dict, x: jax.Array, q_pos: jax.Array, state: LinearState, cfg: ModelConfig):
+    """One Gated DeltaNet layer over a block x [B, S, H] (no KV cache: its state carries the past);
+    returns (x_out [B, S, H], new state)."""
+    h = rms_norm(x, lw["attn_norm"], cfg.rms_norm_eps, cfg.norm_offset)
+    a, state = deltanet(lw, h, q_pos, state, cfg)
+    return mlp_block(lw, x + a, cfg), state
 
 
 def final_logits(params: Params, x: jax.Array) -> jax.Array:
@@ -196,6 +223,11 @@ def dense_layer(lw: dict, x: jax.Array, pos: jax.Array, cfg: ModelConfig, inv_fr
     return layer_forward(lw, x, pos, empty_kv, empty_kv, empty_pos, cfg, inv_freq, window)
 
 
+def dense_linear_layer(lw: dict, x: jax.Array, pos: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """One Gated DeltaNet layer over a whole sequence x [B, T, H] from a zero state -> x_out [B, T, H]."""
+    return linear_layer_forward(lw, x, pos, LinearState.empty(cfg, x.shape[0], x.dtype), cfg)[0]
+
+
 def forward(params: Params, ids: jax.Array, logits_at: jax.Array | None = None) -> jax.Array:
     """Plain dense causal forward of ids [B, T] -> fp32 logits [B, T, V] (no cache, no eviction).
 
@@ -206,6 +238,9 @@ def forward(params: Params, ids: jax.Array, logits_at: jax.Array | None = None) 
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     x = embed(params, ids)
     for i, lw in enumerate(params.weights["layers"]):
+        if not cfg.attends(i):
+            x = dense_linear_layer(lw, x, pos, cfg)
+            continue
         inv_freq, window = layer_settings(cfg, i)
         x, _, _, _ = dense_layer(lw, x, pos, cfg, jnp.asarray(inv_freq), window)
     return final_logits(params, x if logits_at is None else x[:, logits_at])

@@ -36,7 +36,7 @@ def layer0_kv(params: Params, ids: np.ndarray):
     x = tf.embed(params, jnp.asarray(ids)[None])
     h = tf.rms_norm(x, lw["attn_norm"], cfg.rms_norm_eps, cfg.norm_offset)
     pos = jnp.arange(len(ids))[None]
-    _, k, v = tf.project_qkv(lw, h, pos, cfg, jnp.asarray(tf.rope_inv_freq(cfg)))
+    _, k, v, _ = tf.project_qkv(lw, h, pos, cfg, jnp.asarray(tf.rope_inv_freq(cfg)))
     return np.asarray(k[0].transpose(1, 0, 2)), np.asarray(v[0].transpose(1, 0, 2))
 
 

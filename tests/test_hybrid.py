@@ -83,7 +83,7 @@ def test_per_head_and_per_layer_weights_pick_each_heads_policy():
     assert pos(vd, 1) != pos(kd, 1)
 
 
-def test_weights_checked_and_resolved(tmp_path):
+def test_mix_checked_and_resolved(tmp_path):
     cfg = tiny_config(num_layers=3)
     params = random_params(cfg)
     assert HY.check_mix(0.5, 3, 2) == ((0.5, 0.5),) * 3
@@ -108,7 +108,7 @@ def test_weights_checked_and_resolved(tmp_path):
     with pytest.raises(ValueError, match="2 layers x 2 KV heads"):
         HY.resolve_mix(params, str(other))
     (tmp_path / "bad.json").write_text(json.dumps({"weights": [1]}))
-    with pytest.raises(ValueError, match="not a vdjax hybrid weights file"):
+    with pytest.raises(ValueError, match="not a vdjax hybrid mix file"):
         HY.resolve_mix(params, str(tmp_path / "bad.json"))
 
 

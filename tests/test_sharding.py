@@ -55,14 +55,41 @@ def _model(kv_heads: int):
 
 
 def _kept(cache) -> list:
-    """Kept positions of every layer as sorted lists per (row, head): [L][B][K][N]."""
-    return [np.sort(np.asarray(lc.pos), axis=-1).tolist() for lc in cache.layers]
+    """Kept positions of every attention layer as sorted lists per (row, head): [La][B][K][N]."""
+    return np.sort(np.asarray(cache.pos), axis=-1).tolist()
 
 
 def _summary(gen) -> dict:
     """What a run must reproduce: tokens, kept positions, and the returned cache's rows."""
-    rows = int(gen.cache.layers[0].k.shape[0])
+    rows = int(gen.cache.pos.shape[1])
     return {"tokens": gen.tokens.tolist(), "kept": _kept(gen.cache), "rows": rows}
+
+
+def _qwen3_5():
+    """A tiny random Qwen3.5 (3 Gated DeltaNet layers, 1 gated attention layer) and the ragged batch."""
+    from vdjax.models.config import ModelConfig
+    from vdjax.models.spec import init_params
+
+    cfg = ModelConfig(family="qwen3_5", vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=4,
+                      num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, norm_offset=1.0, qk_norm=True,
+                      attn_gate=True, rotary_dim=4, layer_types=("linear_attention",) * 3 + ("full_attention",),
+                      linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                      linear_value_head_dim=8, linear_conv_kernel=4)
+    return init_params(cfg, 3), _model(4)[1]
+
+
+def _qwen3_5_run(mesh=None) -> dict:
+    """Tokens, kept positions and DeltaNet states of a Qwen3.5 run on the ragged batch."""
+    params, ids = _qwen3_5()
+    gen = vdjax.run(params, ids, "valuediff", mesh=mesh, **RUN, budget=12)
+    rec = [np.asarray(gen.cache[i].rec).tolist() for i in range(3)]
+    out = _summary(gen) | {"rec": rec}
+    if mesh is not None:
+        lw = gen.cache[0]
+        out["specs"] = {"rec": _spec(lw.rec), "conv": _spec(lw.conv)} | {
+            name: _spec(sharding.shard_params(params, mesh).weights["layers"][0][name])
+            for name in ("w_z", "w_out", "A_log", "w_qkv")}
+    return out
 
 
 def _runs(kv_heads: int, policies, mesh=None) -> dict:
@@ -116,6 +143,7 @@ def _child(group: str) -> dict:
         cache, _ = vdjax.prefill(*_model(2), "valuediff", mesh=mesh, block_size=8, budget=12)
         out["kv2_specs"] = {"wq": _spec(lw["wq"]), "wk": _spec(lw["wk"]), "w_up": _spec(lw["w_up"]),
                             "cache_k": _spec(cache.layers[0].k)}
+        out["qwen3_5"] = _qwen3_5_run(sharding.make_mesh(data=2, model=2))
     return out
 
 
@@ -132,7 +160,8 @@ def results():
             params, ids = _model(4)
             cache, logits = vdjax.prefill(params, ids, "valuediff", block_size=8, budget=12)
             ref = {"kv4": _runs(4, POLICIES), "kv2": _runs(2, ["valuediff"]), "extra": _extra(),
-                   "prefill": {"kept": _kept(cache), "logits": np.asarray(logits).tolist()}}
+                   "prefill": {"kept": _kept(cache), "logits": np.asarray(logits).tolist()},
+                   "qwen3_5": _qwen3_5_run()}
         got = {}
         for child in children:
             stdout, stderr = child.communicate(timeout=600)
@@ -188,6 +217,19 @@ def test_indivisible_kv_heads_replicate_attention(results):
     assert s["wq"] == [] and s["wk"] == [] and s["w_up"] == [None, "model"]
     assert s["cache_k"] == ["data"]
     assert got["kv2"]["valuediff"] == ref["kv2"]["valuediff"]
+
+
+def test_qwen3_5_on_a_mesh(results):
+    """Qwen3.5 on 2x2: DeltaNet value heads (state, z, out projections) and attention heads split over "model";
+    the same tokens, kept positions and states as one device."""
+    ref, got = results
+    want, have = ref["qwen3_5"], got["qwen3_5"]
+    assert have["tokens"] == want["tokens"] and have["kept"] == want["kept"] and have["rows"] == len(LENGTHS)
+    np.testing.assert_allclose(have["rec"], want["rec"], rtol=1e-4, atol=1e-5)
+    s = have["specs"]
+    assert s["rec"] == ["data", "model"] and s["conv"][0] == "data"  # the conv's channels: GSPMD's choice
+    assert s["w_z"] == [None, "model"] and s["w_out"] == ["model"] and s["A_log"] == ["model"]
+    assert s["w_qkv"] == []  # [q | k | v] channels mixed: replicated
 
 
 def test_make_mesh_checks_sizes():

@@ -80,7 +80,10 @@ def write_model(geo: G.Geometry, folder: Path, extra_md: str = "") -> dict[str, 
              f"{len(geo.prompts)} prompts ({', '.join(sorted({p['category'] for p in geo.prompts}))}), "
              f"{min(p['tokens'] for p in geo.prompts)}-{max(p['tokens'] for p in geo.prompts)} tokens; "
              f"τ = {geo.settings['tau']}, top-{geo.settings['topk']} Jaccard over {geo.settings['n_queries']} "
-             f"query positions on {geo.settings['jaccard_prompts']} prompts.", "",
+             f"query positions on {geo.settings['jaccard_prompts']} prompts."
+             + ("" if all(geo.measured(i) for i in range(len(geo.windows))) else
+                f" Statistics over the {sum(geo.measured(i) for i in range(len(geo.windows)))} attention "
+                f"layers only: the Gated DeltaNet layers have no keys, no attention and no KV cache."), "",
              "| " + " | ".join(LABELS[c] for c in AGG_COLUMNS) + " |",
              "|" + "---|" * len(AGG_COLUMNS),
              "| " + " | ".join(fmt(agg[c]) for c in AGG_COLUMNS) + " |", "",
@@ -90,7 +93,8 @@ def write_model(geo: G.Geometry, folder: Path, extra_md: str = "") -> dict[str, 
     for i in range(len(geo.windows)):
         cells = [pl[c][i] for c in ("sigma_k", "sigma_v", "ratio", "sink_rate", "bos_attn", "bos_cos", "w_ratio",
                                     "s1_ratio", "jaccard")]
-        lines.append(f"| {i} | {geo.windows[i] or 'global'} | " + " | ".join(fmt(float(x)) for x in cells) + " |")
+        kind = (geo.windows[i] or "global") if geo.measured(i) else "Gated DeltaNet (no KV cache)"
+        lines.append(f"| {i} | {kind} | " + " | ".join(fmt(float(x)) for x in cells) + " |")
     paths["md"].write_text("\n".join(lines) + "\n" + extra_md)
     paths.update(_layer_figures(geo, folder))
     return paths
@@ -236,14 +240,15 @@ def analyze_model(model: str, out: str | os.PathLike, *, prompts_file: str | Non
                                  w0=w_geo, steps=fit_steps, progress=console is not None)
         hyb["fitted"] = w_fit
         errors = HY.held_out_error(params, [held], {"fitted": w_fit, "geometry": w_geo,
-                                              "valuediff": np.ones_like(w_fit), "keydiff": np.zeros_like(w_fit)},
-                             budget=budget, block=block_size)
-        hyb["held_out_error"] = {k: float(v.mean()) for k, v in errors.items()}
+                                                    "valuediff": np.ones_like(w_fit), "keydiff": np.zeros_like(w_fit)},
+                                   budget=budget, block=block_size)
+        hyb["held_out_error"] = {k: float(np.nanmean(v)) for k, v in errors.items()}  # attention layers
         fit_meta = {"per_head": per_head, "budget": budget, "block_size": block_size, "steps": fit_steps,
                     "fit_prompts": [p.name for p in prompts[:n_fit]], "held_out": prompts[n_fit].name,
-                    "held_out_error_per_layer": {k: v.tolist() for k, v in errors.items()}, "layers": fit_info}
+                    "held_out_error_per_layer": {k: [None if not np.isfinite(x) else float(x) for x in v]
+                                                 for k, v in errors.items()}, "layers": fit_info}
         paths["hybrid-fitted"] = HY.save_mix(folder / "hybrid-fitted.json", w_fit, method="fitted", model=name,
-                                                 info=fit_meta)
+                                             info=fit_meta)
         extra += (f"\nfitted (N={budget}, B={block_size}, on {n_fit} prompts): {HY.describe(w_fit)}\n\n"
                   f"Attention-output error of block eviction on the held-out prompt {prompts[n_fit].name!r} "
                   f"(relative, mean over layers):\n\n| mix | error |\n|---|---|\n"

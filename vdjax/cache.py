@@ -1,13 +1,19 @@
 """Fixed-size evicting KV cache and the pure eviction operators (`keep_mask`, `topk_gather`, slot replacement).
 
+Layers without a KV cache (Qwen3.5's Gated DeltaNet) keep a `LinearState` in the same tuple instead.
+
 Slots hold tokens in no particular order; `pos` gives each slot's absolute position (-1 = empty).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.struct
 import jax
 import jax.numpy as jnp
+
+from vdjax.models.deltanet import LinearState
 
 
 @flax.struct.dataclass
@@ -24,58 +30,72 @@ class LayerCache:
         """Slots holding a token: [B, K, N] bool."""
         return self.pos >= 0
 
+    @classmethod
+    def empty(cls, batch: int, kv_heads: int, slots: int, head_dim: int, dtype) -> "LayerCache":
+        """`slots` empty slots per head."""
+        shape = (batch, kv_heads, slots)
+        return cls(k=jnp.zeros(shape + (head_dim,), dtype), v=jnp.zeros(shape + (head_dim,), dtype),
+                   pos=jnp.full(shape, -1, jnp.int32), acc=jnp.zeros(shape, jnp.float32))
+
 
 @flax.struct.dataclass
 class KVCache:
-    """All layers' caches, one `LayerCache` per layer; `cache[i]` / `cache.layer(i)` gives one layer.
+    """Every layer's cache: a `LayerCache` per attention layer, a `LinearState` (no KV cache: a fixed-size
+    recurrent state) per Gated DeltaNet layer. `cache[i]` / `cache.layer(i)` gives layer i's.
 
-    `k`, `v`, `pos`, `acc` stack the layers ([L, B, K, N, ...]) for inspection; they copy, so use them
-    outside hot loops. Sliding-window layers of evicting policies hold `min(N, W - 1)` slots (at most W - 1
-    tokens are ever live there); the stacked views pad them to N with empty slots.
+    `k`, `v`, `pos`, `acc` stack the attention layers ([La, B, K, N, ...], layer indices `attention_layers`)
+    for inspection; they copy, so use them outside hot loops. Sliding-window layers of evicting policies hold
+    `min(N, W - 1)` slots (at most W - 1 tokens are ever live there); the stacked views pad them to N with
+    empty slots.
     """
 
-    layers: tuple[LayerCache, ...]
+    layers: tuple[Any, ...]
 
     @classmethod
     def empty(cls, num_layers, batch, kv_heads, slots, head_dim, dtype) -> "KVCache":
         """An empty cache of `slots` slots per head in every layer (an int, or one int per layer)."""
         per_layer = (slots,) * num_layers if isinstance(slots, int) else tuple(slots)
+        return cls(tuple(LayerCache.empty(batch, kv_heads, n, head_dim, dtype) for n in per_layer))
 
-        def one(n):
-            shape = (batch, kv_heads, n)
-            return LayerCache(
-                k=jnp.zeros(shape + (head_dim,), dtype),
-                v=jnp.zeros(shape + (head_dim,), dtype),
-                pos=jnp.full(shape, -1, jnp.int32),
-                acc=jnp.zeros(shape, jnp.float32),
-            )
+    @classmethod
+    def for_model(cls, cfg, batch: int, slots, dtype) -> "KVCache":
+        """An empty cache for a model config: `slots[i]` slots per head on each attention layer, a zero state on
+        each Gated DeltaNet layer."""
+        return cls(tuple(LayerCache.empty(batch, cfg.num_kv_heads, slots[i], cfg.head_dim, dtype) if cfg.attends(i)
+                         else LinearState.empty(cfg, batch, dtype) for i in range(cfg.num_layers)))
 
-        return cls(tuple(one(n) for n in per_layer))
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """Indices of the layers with a KV cache."""
+        return tuple(i for i, c in enumerate(self.layers) if isinstance(c, LayerCache))
+
+    def _kv(self) -> list[LayerCache]:
+        return [c for c in self.layers if isinstance(c, LayerCache)]
 
     @property
     def budget(self) -> int:
         """Slots per head N (the largest layer's; sliding layers may hold fewer)."""
-        return max(c.pos.shape[-1] for c in self.layers)
+        return max(c.pos.shape[-1] for c in self._kv())
 
     @property
     def slots(self) -> tuple[int, ...]:
-        """Slots per head of each layer."""
-        return tuple(c.pos.shape[-1] for c in self.layers)
+        """Slots per head of each attention layer."""
+        return tuple(c.pos.shape[-1] for c in self._kv())
 
     def __len__(self) -> int:
         return len(self.layers)
 
-    def layer(self, i: int) -> LayerCache:
-        """One layer's cache."""
+    def layer(self, i: int):
+        """Layer i's cache (a LayerCache, or a LinearState for a Gated DeltaNet layer)."""
         return self.layers[i]
 
     __getitem__ = layer
 
     def _stack(self, name: str, fill) -> jax.Array:
-        """One field of every layer stacked on a leading [L] axis, smaller layers padded at the end."""
+        """One field of every attention layer stacked on a leading axis, smaller layers padded at the end."""
         n = self.budget
         parts = []
-        for c in self.layers:
+        for c in self._kv():
             a = getattr(c, name)
             pad = [(0, 0)] * a.ndim
             pad[2] = (0, n - a.shape[2])
@@ -84,30 +104,30 @@ class KVCache:
 
     @property
     def k(self) -> jax.Array:
-        """Keys of all layers [L, B, K, N, D] (padded slots are zeros)."""
+        """Keys of all attention layers [La, B, K, N, D] (padded slots are zeros)."""
         return self._stack("k", 0)
 
     @property
     def v(self) -> jax.Array:
-        """Values of all layers [L, B, K, N, D]."""
+        """Values of all attention layers [La, B, K, N, D]."""
         return self._stack("v", 0)
 
     @property
     def pos(self) -> jax.Array:
-        """Slot positions of all layers [L, B, K, N] (-1 empty or padded)."""
+        """Slot positions of all attention layers [La, B, K, N] (-1 empty or padded)."""
         return self._stack("pos", -1)
 
     @property
     def acc(self) -> jax.Array:
-        """Accumulated attention of all layers [L, B, K, N]."""
+        """Accumulated attention of all attention layers [La, B, K, N]."""
         return self._stack("acc", 0.0)
 
     def valid_counts(self):
-        """Valid slots per layer, row and head: [L, B, K]."""
-        return jnp.stack([jnp.sum(c.pos >= 0, axis=-1) for c in self.layers])
+        """Valid slots per attention layer, row and head: [La, B, K]."""
+        return jnp.stack([jnp.sum(c.pos >= 0, axis=-1) for c in self._kv()])
 
     def nbytes(self) -> int:
-        """Bytes held by the cache arrays."""
+        """Bytes held by the cache arrays (DeltaNet states included)."""
         return sum(x.nbytes for x in jax.tree.leaves(self.layers))
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Any, Iterator, Sequence
 
 import jax
@@ -127,8 +128,13 @@ def _layer(lw, x, pos, inv_freq, *, cfg, window):
     return x, k[0].astype(jnp.float32), v[0].astype(jnp.float32), probs[0].reshape(-1, t, t)
 
 
+# Gated DeltaNet layers over the whole prompt (no statistics: no keys, no attention)
+_linear_layer = jax.jit(tf.dense_linear_layer, static_argnames=("cfg",))
+
+
 def capture(params: Params, ids: Sequence[int]) -> Iterator[tuple[int, jax.Array, jax.Array, jax.Array]]:
-    """Run one prompt densely and yield (layer, k [K, T, D], v [K, T, D], probs [Nq, T, T]) layer by layer.
+    """Run one prompt densely and yield (layer, k [K, T, D], v [K, T, D], probs [Nq, T, T]) for every
+    attention layer (Gated DeltaNet layers run, yield nothing: no keys, no attention).
 
     Query head n reads KV head n // G (HF order). Keys are after RoPE (and q/k-norm), as cached.
     """
@@ -137,6 +143,9 @@ def capture(params: Params, ids: Sequence[int]) -> Iterator[tuple[int, jax.Array
     pos = jnp.arange(ids.shape[1], dtype=jnp.int32)[None]
     x = tf.embed(params, ids)
     for i, lw in enumerate(params.weights["layers"]):
+        if not cfg.attends(i):
+            x = _linear_layer(lw, x, pos, cfg=cfg)
+            continue
         inv_freq, window = tf.layer_settings(cfg, i)
         x, k, v, probs = _layer(lw, x, pos, jnp.asarray(inv_freq), cfg=cfg, window=window)
         yield i, k, v, probs
@@ -178,18 +187,25 @@ class Geometry:
     windows: list[int | None]  # sliding window per layer
     prompts: list[dict[str, Any]]  # name, category, tokens
     settings: dict[str, Any]  # tau, topk, n_queries, margin, jaccard_prompts
+    layer_types: list[str] | None = None  # per layer; "linear_attention" (Gated DeltaNet) rows are NaN
+
+    def measured(self, layer: int) -> bool:
+        """Whether `layer` has attention (and so statistics)."""
+        return self.layer_types is None or self.layer_types[layer] != "linear_attention"
 
     def per_layer(self) -> dict[str, np.ndarray]:
         """Layer means [L] of every statistic, plus the per-layer ratios and per-head spreads."""
         h = self.heads
-        out = {name: np.nanmean(a, axis=1) if np.isfinite(a).any() else np.full(a.shape[0], np.nan)
-               for name, a in h.items()}
+        with warnings.catch_warnings():  # layers without attention (Gated DeltaNet) are all-NaN rows
+            warnings.simplefilter("ignore", RuntimeWarning)
+            out = {name: np.nanmean(a, axis=1) if np.isfinite(a).any() else np.full(a.shape[0], np.nan)
+                   for name, a in h.items()}
+            out["sigma_k_std"] = np.nanstd(h["sigma_k"], axis=1)  # across heads (Figure 5's error bars)
+            out["sigma_v_std"] = np.nanstd(h["sigma_v"], axis=1)
         out["sink_rate"] = out.pop("sink")
         out["ratio"] = out["sigma_v"] / out["sigma_k"]  # per-layer sigma_v / sigma_k (Figure 7)
         out["s1_ratio"] = out["s1_v"] / out["s1_k"]
         out["w_ratio"] = out["wv_norm"] / out["wk_norm"]
-        out["sigma_k_std"] = np.std(h["sigma_k"], axis=1)  # across heads (Figure 5's error bars)
-        out["sigma_v_std"] = np.std(h["sigma_v"], axis=1)
         return out
 
     def aggregate(self) -> dict[str, float]:
@@ -202,7 +218,7 @@ class Geometry:
             "ratio": mean["sigma_v"] / mean["sigma_k"], "bos_attn": mean["bos_attn"], "bos_cos": mean["bos_cos"],
             "w_ratio": mean["wv_norm"] / mean["wk_norm"], "s1_ratio": mean["s1_v"] / mean["s1_k"],
             "jaccard": mean["jaccard"], "jaccard_std": float(np.std(jac_layers)) if jac_layers.size else float("nan"),
-            "ratio_std": float(np.std(pl["ratio"])), "sink_rate_std": float(np.std(pl["sink_rate"])),
+            "ratio_std": float(np.nanstd(pl["ratio"])), "sink_rate_std": float(np.nanstd(pl["sink_rate"])),
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -211,7 +227,7 @@ class Geometry:
             return [[None if not np.isfinite(x) else float(x) for x in row] for row in np.asarray(a)]
 
         return {"format": "vdjax-geometry/1", "model": self.model, "settings": self.settings,
-                "prompts": self.prompts, "windows": self.windows,
+                "prompts": self.prompts, "windows": self.windows, "layer_types": self.layer_types,
                 "aggregate": {k: (None if not np.isfinite(v) else v) for k, v in self.aggregate().items()},
                 "heads": {name: clean(a) for name, a in self.heads.items()}}
 
@@ -220,7 +236,8 @@ class Geometry:
         """Inverse of `to_json`."""
         heads = {name: np.array([[np.nan if x is None else x for x in row] for row in rows], np.float64)
                  for name, rows in data["heads"].items()}
-        return cls(data["model"], heads, list(data["windows"]), list(data["prompts"]), dict(data["settings"]))
+        return cls(data["model"], heads, list(data["windows"]), list(data["prompts"]), dict(data["settings"]),
+                   data.get("layer_types"))
 
 
 def analyze(params: Params, prompts: Sequence, *, model: str = "model", tau: float = TAU, topk: int = TOPK,
@@ -244,7 +261,7 @@ def analyze(params: Params, prompts: Sequence, *, model: str = "model", tau: flo
     counts = {f: 0 for f in sums}
     jac_counts = np.zeros(nl)
     jac_done = 0
-    bar = tqdm(total=len(items) * nl, desc="analyze", unit="layer", disable=not progress)
+    bar = tqdm(total=len(items) * len(cfg.attention_layers), desc="analyze", unit="layer", disable=not progress)
     for p in items:
         want_jac = bool(topk) and jac_done < jaccard_prompts and len(p.ids) - 1 >= topk + margin
         for i, k, v, probs in capture(params, p.ids):
@@ -262,16 +279,20 @@ def analyze(params: Params, prompts: Sequence, *, model: str = "model", tau: flo
     bar.close()
     heads = {name: sums[name] / counts[name] for name in sums if name != "jaccard"}
     heads["jaccard"] = np.where(jac_counts[:, None] > 0, sums["jaccard"] / np.maximum(jac_counts[:, None], 1), np.nan)
-    wk = np.zeros((nl, kh))
-    wv = np.zeros((nl, kh))
-    for i, lw in enumerate(params.weights["layers"]):
-        wk[i], wv[i] = weight_norms(lw["wk"], lw["wv"])
+    wk = np.full((nl, kh), np.nan)
+    wv = np.full((nl, kh), np.nan)
+    for i in cfg.attention_layers:
+        wk[i], wv[i] = weight_norms(params.weights["layers"][i]["wk"], params.weights["layers"][i]["wv"])
     heads["wk_norm"], heads["wv_norm"] = wk, wv
+    for i in set(range(nl)) - set(cfg.attention_layers):  # Gated DeltaNet layers: no keys, nothing measured
+        for name in heads:
+            heads[name][i] = np.nan
     return Geometry(
         model=model, heads=heads, windows=[cfg.window(i) for i in range(nl)],
         prompts=[{"name": p.name, "category": p.category, "tokens": len(p.ids)} for p in items],
         settings={"tau": tau, "topk": topk, "n_queries": n_queries, "margin": margin,
                   "jaccard_prompts": int(jac_done)},
+        layer_types=list(cfg.layer_types),
     )
 
 

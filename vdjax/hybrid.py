@@ -165,13 +165,15 @@ def geometry_rule(ratio, bos_cos, *, r_lo: float = 0.5, r_hi: float = 1.0, cos_l
 
 
 def geometry_mix(geo, *, per_head: bool = False, **rule) -> np.ndarray:
-    """Weights [L, K] from a `vdjax.geometry.Geometry` by `geometry_rule`, per layer (default) or per head."""
+    """The mix [L, K] from a `vdjax.geometry.Geometry` by `geometry_rule`, per layer (default) or per head;
+    1 on layers without attention (Gated DeltaNet: nothing measured there, the mix is never used)."""
     h = geo.heads
     if per_head:
-        return geometry_rule(h["sigma_v"] / h["sigma_k"], h["bos_cos"], **rule)
-    pl = geo.per_layer()
-    w = geometry_rule(pl["ratio"], pl["bos_cos"], **rule)
-    return np.repeat(w[:, None], h["sigma_k"].shape[1], axis=1)
+        w = geometry_rule(h["sigma_v"] / h["sigma_k"], h["bos_cos"], **rule)
+    else:
+        pl = geo.per_layer()
+        w = np.repeat(geometry_rule(pl["ratio"], pl["bos_cos"], **rule)[:, None], h["sigma_k"].shape[1], axis=1)
+    return np.where(np.isfinite(w), w, 1.0)
 
 
 # ---- teacher-forced simulation of one layer -------------------------------------------------------------
@@ -324,8 +326,12 @@ def _layer(lw, x, pos, inv_freq, where, *, cfg, window):
     return x, k.astype(jnp.float32), v.astype(jnp.float32), rows
 
 
+_linear_layer = jax.jit(tf.dense_linear_layer, static_argnames=("cfg",))
+
+
 def layer_data(params: Params, ids, block: int, per_block: int) -> Iterator[tuple]:
-    """Dense pass of prompts ids [P, T] (T a multiple of `block`); yields (layer, window, k, v, rows)."""
+    """Dense pass of prompts ids [P, T] (T a multiple of `block`); yields (layer, window, k, v, rows) of every
+    attention layer."""
     cfg = params.config
     ids = jnp.asarray(np.asarray(ids, np.int32))
     p, t = ids.shape
@@ -333,6 +339,9 @@ def layer_data(params: Params, ids, block: int, per_block: int) -> Iterator[tupl
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (p, t))
     x = tf.embed(params, ids)
     for i, lw in enumerate(params.weights["layers"]):
+        if not cfg.attends(i):  # Gated DeltaNet: no cache to evict, nothing to fit; its mix stays unused
+            x = _linear_layer(lw, x, pos, cfg=cfg)
+            continue
         inv_freq, window = tf.layer_settings(cfg, i)
         x, k, v, rows = _layer(lw, x, pos, jnp.asarray(inv_freq), where, cfg=cfg, window=window)
         yield i, window, k, v, rows
@@ -355,11 +364,11 @@ def fit(params: Params, prompts: Sequence[Sequence[int]], *, budget: int, block:
     cfg = params.config
     ids = trim(prompts, block)
     w0 = np.full((cfg.num_layers, cfg.num_kv_heads), 0.5) if w0 is None else np.asarray(w0, np.float64)
-    mix, info = np.zeros((cfg.num_layers, cfg.num_kv_heads)), []
-    for i, window, k, v, rows in tqdm(layer_data(params, ids, block, per_block), total=cfg.num_layers,
+    mix, info = np.ones((cfg.num_layers, cfg.num_kv_heads)), []  # 1 where nothing attends (unused)
+    for i, window, k, v, rows in tqdm(layer_data(params, ids, block, per_block), total=len(cfg.attention_layers),
                                       desc="fit hybrid", unit="layer", disable=not progress):
         mix[i], layer_info = fit_layer(k, v, rows, budget=budget, block=block, window=window,
-                                           per_head=per_head, w0=w0[i], steps=steps)
+                                       per_head=per_head, w0=w0[i], steps=steps)
         info.append(layer_info)
     return mix, info
 
@@ -369,7 +378,7 @@ def held_out_error(params: Params, prompts: Sequence[Sequence[int]], mixes: dict
     """Exact relative attention-output error [L] of each named mix ([L, K] arrays) on `prompts`."""
     cfg = params.config
     ids = trim(prompts, block)
-    out = {name: np.zeros(cfg.num_layers) for name in mixes}
+    out = {name: np.full(cfg.num_layers, np.nan) for name in mixes}  # NaN: a layer without attention
     for i, window, k, v, rows in layer_data(params, ids, block, per_block):
         for name, w in mixes.items():
             e, energy = eviction_error(k, v, rows, jnp.asarray(np.asarray(w)[i], jnp.float32), budget=budget,

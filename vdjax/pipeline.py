@@ -91,6 +91,10 @@ def _run_layers(params: Params, policy: Policy, hyper, cache: KVCache, x, q_pos)
     cfg = params.config
     new_layers = []
     for i, (lw, lc) in enumerate(zip(params.weights["layers"], cache.layers)):
+        if not cfg.attends(i):  # Gated DeltaNet: its state carries the past, nothing to evict
+            x, state = tf.linear_layer_forward(lw, x, q_pos, lc, cfg)
+            new_layers.append(state)
+            continue
         inv_freq, window = tf.layer_settings(cfg, i)
         x, k_new, v_new, probs = tf.layer_forward(lw, x, q_pos, lc.k, lc.v, lc.pos, cfg, jnp.asarray(inv_freq),
                                                   window)
@@ -103,7 +107,8 @@ def _run_layers(params: Params, policy: Policy, hyper, cache: KVCache, x, q_pos)
 
 
 def layer_slots(cfg, slots: int, dense: bool) -> tuple[int, ...]:
-    """Cache slots per layer: N, but min(N, W - 1) on a sliding layer of an evicting policy.
+    """Cache slots per layer: N, but min(N, W - 1) on a sliding layer of an evicting policy (a Gated DeltaNet
+    layer has no KV cache: the entry is unused).
 
     After every block and step a sliding layer holds only live tokens (next_pos - pos < W), at most W - 1 of
     them, so the smaller cache keeps exactly the same tokens. Dense caches are indexed by position: N everywhere.
@@ -124,8 +129,7 @@ def _prefill(params: Params, tokens, lengths, *, policy: Policy, hyper, slots: i
     pos = jnp.arange(t, dtype=jnp.int32)[None, :]
     q_pos = jnp.where(pos < lengths[:, None], pos, -1)  # [B, T]
     xs = (tokens.reshape(b, nb, block).swapaxes(0, 1), q_pos.reshape(b, nb, block).swapaxes(0, 1))
-    cache = KVCache.empty(cfg.num_layers, b, cfg.num_kv_heads, layer_slots(cfg, slots, policy.is_dense),
-                          cfg.head_dim, params.dtype)
+    cache = KVCache.for_model(cfg, b, layer_slots(cfg, slots, policy.is_dense), params.dtype)
     cache = constrain_cache(cache, mesh)
     h_last = jnp.zeros((b, cfg.hidden_size), params.dtype)
 
@@ -161,12 +165,12 @@ def _extend(params: Params, cache: KVCache, tokens, q_pos, *, policy: Policy, hy
 
 
 def _grow(cache: KVCache, extra: int) -> KVCache:
-    """The cache with `extra` empty slots appended to every layer and head."""
+    """The cache with `extra` empty slots appended to every attention layer and head."""
     def pad(a, value):
         return jnp.pad(a, [(0, 0)] * 2 + [(0, extra)] + [(0, 0)] * (a.ndim - 3), constant_values=value)
 
     return KVCache(tuple(LayerCache(pad(lc.k, 0), pad(lc.v, 0), pad(lc.pos, -1), pad(lc.acc, 0))
-                         for lc in cache.layers))
+                         if isinstance(lc, LayerCache) else lc for lc in cache.layers))
 
 
 def prepare_question(params: Params, question: Any, batch: int) -> np.ndarray:

@@ -107,20 +107,28 @@ def shard_params(params, mesh: Mesh):
 
 
 def cache_sharding(cache, mesh: Mesh):
-    """A pytree like `cache` (a KVCache) of NamedShardings: rows over "data", KV heads over "model".
+    """A pytree like `cache` (a KVCache) of NamedShardings: rows over "data", heads over "model".
 
-    k/v [B, K, N, D] -> P("data", "model"), pos/acc [B, K, N] -> P("data", "model"); an axis whose size does
-    not divide (B by "data", K by "model") is replicated. Works on arrays and on tracers inside jit.
+    k/v [B, K, N, D] -> P("data", "model"), pos/acc [B, K, N] -> P("data", "model"); a Gated DeltaNet state's
+    rec [B, Hv, dk, dv] -> P("data", "model") (value heads), conv [B, K-1, C] -> P("data"). An axis whose size
+    does not divide (B by "data", heads by "model") is replicated. Works on arrays and on tracers inside jit.
     """
+    from vdjax.models.deltanet import LinearState
+
     check_mesh(mesh)
 
-    def one(x):
-        spec = [_split(mesh, DATA, x.shape[0]), _split(mesh, MODEL, x.shape[1])]
+    def one(x, heads: bool = True):
+        spec = [_split(mesh, DATA, x.shape[0]), _split(mesh, MODEL, x.shape[1]) if heads else None]
         while spec and spec[-1] is None:
             spec.pop()
         return NamedSharding(mesh, P(*spec))
 
-    return jax.tree.map(one, cache)
+    def layer(c):
+        if isinstance(c, LinearState):
+            return LinearState(conv=one(c.conv, heads=False), rec=one(c.rec))
+        return jax.tree.map(one, c)
+
+    return type(cache)(tuple(layer(c) for c in cache.layers))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
