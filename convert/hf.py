@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
+from vdjax.convert import mxfp4
 from vdjax.models import spec
 from vdjax.models.config import ModelConfig, from_hf_config, resolve_architecture
 from vdjax.models.params import Params
@@ -79,6 +80,25 @@ def _read(file: Path, key: str) -> np.ndarray:
         return np.asarray(f.get_tensor(key))
 
 
+def _mxfp4_headers(headers: dict) -> dict:
+    """MXFP4 checkpoints: each `<name>_blocks` + `<name>_scales` pair becomes one entry `<name>` with its
+    dequantized shape [E, in, out] (file None: `_tensor` dequantizes it)."""
+    out = dict(headers)
+    for name, (bk, sk) in mxfp4.pairs(headers).items():
+        out.pop(bk), out.pop(sk)
+        out[name] = (None, mxfp4.shape(headers[bk][1]), "MXFP4")
+    return out
+
+
+def _tensor(headers: dict, key: str, dtype=None) -> np.ndarray:
+    """The tensor of HF key `key` (an MXFP4 entry dequantized to `dtype`, exactly)."""
+    file = headers[key][0]
+    if file is None:
+        bk, sk = key + mxfp4.BLOCKS, key + mxfp4.SCALES
+        return mxfp4.dequantize(_read(headers[bk][0], bk), _read(headers[sk][0], sk), dtype or np.float32)
+    return _read(file, key)
+
+
 def _plan(path: Path, cfg: ModelConfig, layout: spec.Layout, headers: dict) -> dict[tuple[str, int | None], str]:
     """{(weight, layer): HF key} for every weight the config expects; every shape checked. One ValueError lists
     all missing keys, unexpected keys and shape mismatches."""
@@ -136,18 +156,20 @@ def load_weights(path: str | Path, cfg: ModelConfig, layouts: tuple[spec.Layout,
     """The weights dict of the safetensors in folder `path` (the best-matching of `layouts`), checked against
     `cfg`'s family spec and cast to `dtype`."""
     path = Path(path)
-    headers = _headers(_weight_files(path))
+    raw = _headers(_weight_files(path))
+    headers = _mxfp4_headers(raw) if cfg.quantization == "mxfp4" else raw
     plan = _plan(path, cfg, _best_layout(cfg, layouts, headers), headers)
+    headers = headers | raw  # the blocks and scales too, for `_tensor`
     fam, dtype = spec.family_of(cfg), np.dtype(dtype)
     if cfg.tie_embeddings and ("lm_head", None) in plan:
         head_key, embed_key = plan.pop(("lm_head", None)), plan[("embed", None)]
-        if not np.array_equal(_read(headers[head_key][0], head_key), _read(headers[embed_key][0], embed_key)):
+        if not np.array_equal(_tensor(headers, head_key), _tensor(headers, embed_key)):
             raise ValueError(
                 f"checkpoint {path}: config.json ties embeddings (tie_word_embeddings) but {head_key} "
                 f"differs from {embed_key}; fix tie_word_embeddings or the weights")
     weights: dict[str, Any] = {"layers": tuple({} for _ in range(cfg.num_layers))}
     for (name, layer), key in plan.items():
-        value = jnp.asarray(fam.weight(name).transform(_read(headers[key][0], key).astype(dtype), cfg))
+        value = jnp.asarray(fam.weight(name).transform(_tensor(headers, key, dtype).astype(dtype), cfg))
         (weights if layer is None else weights["layers"][layer])[name] = value
     return weights
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Mapping
 
 # HF config attributes every family reads generically, or that do not change the forward math (bookkeeping,
@@ -16,7 +17,7 @@ _GENERIC_KEYS = frozenset(
         "max_position_embeddings",
         "tie_word_embeddings", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
         "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling",
-        "rope_parameters", "hidden_act", "attention_bias", "mlp_bias", "tokenizer_class", "quantization_config",
+        "rope_parameters", "hidden_act", "attention_bias", "mlp_bias", "tokenizer_class",
         "_attn_implementation_autoset", "tf_legacy_loss", "use_bfloat16", "torchscript", "pruned_heads",
         "finetuning_task", "task_specific_params", "cross_attention_hidden_size", "add_cross_attention",
         "is_decoder", "tie_encoder_decoder", "decoder_start_token_id", "sep_token_id", "prefix",
@@ -29,7 +30,7 @@ _GENERIC_KEYS = frozenset(
         "resid_pdrop", "attn_pdrop", "embd_pdrop",
     }
 )
-_ROPE_TYPES = ("default", "llama3", "linear")
+_ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 
 
@@ -79,6 +80,13 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel: int = 0
+    sinks: bool = False  # a learned logit per query head joins every softmax, then is dropped (GPT-OSS)
+    # mixture of experts (GPT-OSS): router top-k, softmax over the k logits, clamped SwiGLU experts with biases
+    num_experts: int = 0
+    experts_per_token: int = 0
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
+    quantization: str | None = None  # how the checkpoint stores weights ("mxfp4": GPT-OSS experts); loading only
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
@@ -102,6 +110,9 @@ class ModelConfig:
             raise ValueError(f"rotary_dim={self.rotary_dim} must be even and in (0, head_dim={self.head_dim}]")
         if "sliding_attention" in self.layer_types and not self.sliding_window:
             raise ValueError("layer_types has sliding layers but sliding_window is not set")
+        if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
+            raise ValueError(f"experts_per_token={self.experts_per_token} must be in [1, num_experts="
+                             f"{self.num_experts}]")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
@@ -122,6 +133,11 @@ class ModelConfig:
         """RoPE scaling parameters as a dict ({} for plain RoPE)."""
         return dict(self.rope_scaling or ())
 
+    @property
+    def rope_attention_factor(self) -> float:
+        """YaRN's attention factor, folded into RoPE's cos and sin (so q.k scales by its square); 1 otherwise."""
+        return yarn_attention_factor(self.rope_scaling_dict)
+
     def attends(self, layer: int) -> bool:
         """Whether `layer` has attention (and a KV cache); False for Gated DeltaNet layers."""
         return self.layer_types[layer] != "linear_attention"
@@ -140,6 +156,22 @@ class ModelConfig:
         if self.layer_types[layer] == "sliding_attention" and self.local_rope_theta is not None:
             return self.local_rope_theta, dict(self.local_rope_scaling or ())
         return self.rope_theta, self.rope_scaling_dict
+
+
+def yarn_attention_factor(scaling: Mapping[str, Any]) -> float:
+    """The attention factor of a YaRN scaling dict (HF `_compute_yarn_parameters`): `attention_factor` if
+    given, else 0.1 ln(factor) + 1 (or the ratio of the mscale / mscale_all_dim terms); 1 for other types."""
+    if scaling.get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+
+    def mscale(m=1.0):
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return mscale(m) / mscale(m_all) if m and m_all else mscale()
 
 
 def _freeze(value: Any) -> Any:
@@ -163,6 +195,8 @@ def _rope_settings(hf: Mapping[str, Any], family):
     """((theta, scaling), (local theta, local scaling) or None) from `rope_parameters` (transformers 5, maybe
     nested per layer type) or the older `rope_theta`/`rope_scaling`/`rope_local_base_freq`."""
     params = hf.get("rope_parameters")
+    if not params and not hf.get("rope_scaling"):
+        params = family.defaults.get("rope_parameters")  # (GPT-OSS: YaRN when config.json says nothing)
     base = float(hf.get("rope_theta", family.defaults.get("rope_theta", 10000.0)))
     if params and ("full_attention" in params or "sliding_attention" in params):
         full = _one_rope(params.get("full_attention") or {}, base)
@@ -180,8 +214,9 @@ def _rope_settings(hf: Mapping[str, Any], family):
     return full, None
 
 
-def _check_scaling(scaling, problems: list[str]):
-    """Normalise a scaling dict (rope_type key) and record an unhandled rope type."""
+def _check_scaling(scaling, problems: list[str], max_positions: int):
+    """Normalise a scaling dict (rope_type key; YaRN's HF defaults filled in: original_max_position_embeddings
+    = max_position_embeddings, factor = their ratio) and record an unhandled rope type."""
     if scaling is None:
         return None
     rope_type = scaling.get("rope_type", scaling.get("type"))
@@ -189,6 +224,11 @@ def _check_scaling(scaling, problems: list[str]):
         problems.append(f"rope type {rope_type!r} (handled: {_ROPE_TYPES})")
     scaling = {k: v for k, v in scaling.items() if k != "type"}
     scaling["rope_type"] = rope_type
+    if rope_type == "yarn":
+        scaling["original_max_position_embeddings"] = int(scaling.get("original_max_position_embeddings")
+                                                          or max_positions)
+        if scaling.get("factor") is None:
+            scaling["factor"] = max_positions / scaling["original_max_position_embeddings"]
     return _freeze(scaling)
 
 
@@ -227,11 +267,17 @@ def _problems(hf: Mapping[str, Any], outer: Mapping[str, Any], arch) -> list[str
         "partial_rotary_factor")
     if partial not in (None, 1, 1.0) and "partial_rotary_factor" not in arch.family.reads:
         problems.append(f"partial_rotary_factor={partial} (partial RoPE is handled for Qwen3.5 only)")
+    quant = hf.get("quantization_config") or outer.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, Mapping) else quant
+        if method not in arch.family.quantizations:
+            allowed = arch.family.quantizations or "none (unquantized checkpoints only)"
+            problems.append(f"quantization_config.quant_method={method!r} ({arch.name} reads: {allowed})")
     if hf.get("mlp_bias", False):
         problems.append("mlp_bias=True (MLP biases are not handled)")
     if hf.get("use_bidirectional_attention"):
         problems.append("use_bidirectional_attention=True (vdjax is causal)")
-    known = _GENERIC_KEYS | arch.family.reads
+    known = _GENERIC_KEYS | arch.family.reads | {"quantization_config"}  # (checked above)
     unknown = sorted(k for k in hf if k not in known and not k.startswith("_"))
     if outer is not hf:
         unknown += sorted(k for k in outer if k not in known and not k.startswith("_")
@@ -241,6 +287,12 @@ def _problems(hf: Mapping[str, Any], outer: Mapping[str, Any], arch) -> list[str
         if value not in (None, False, 0, "", [], {}):
             problems.append(f"{key}={value!r} (attribute not understood by the {arch.name} converter)")
     return problems
+
+
+def _quant_method(hf: Mapping[str, Any], outer: Mapping[str, Any]) -> str | None:
+    """The checkpoint's quantization method (quantization_config.quant_method), or None."""
+    quant = hf.get("quantization_config") or outer.get("quantization_config")
+    return None if not quant else str(quant.get("quant_method") if isinstance(quant, Mapping) else quant)
 
 
 def from_hf_config(hf: Mapping[str, Any], generation: Mapping[str, Any] | None = None) -> ModelConfig:
@@ -254,8 +306,12 @@ def from_hf_config(hf: Mapping[str, Any], generation: Mapping[str, Any] | None =
             raise ValueError(f"{arch.name} config.json has no text_config")
     problems = _problems(hf, outer, arch)
     (theta, scaling), local = _rope_settings(hf, family)
-    scaling = _check_scaling(scaling, problems)
-    local_theta, local_scaling = (None, None) if local is None else (local[0], _check_scaling(local[1], problems))
+    max_positions = int(hf.get("max_position_embeddings", 8192))
+    scaling = _check_scaling(scaling, problems, max_positions)
+    local_theta, local_scaling = (None, None) if local is None else (
+        local[0], _check_scaling(local[1], problems, max_positions))
+    if dict(local_scaling or ()).get("rope_type") == "yarn":
+        problems.append("YaRN on the sliding layers' own RoPE (handled on the global RoPE only)")
     if problems:
         raise ValueError("config.json has settings vdjax cannot reproduce exactly: " + "; ".join(problems))
 
@@ -269,13 +325,14 @@ def from_hf_config(hf: Mapping[str, Any], generation: Mapping[str, Any] | None =
         family=family.name, vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
         intermediate_size=int(hf["intermediate_size"]), num_layers=layers, num_heads=heads,
         num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
+        head_dim=int(get("head_dim") or hf["hidden_size"] // heads),
         rms_norm_eps=float(get("rms_norm_eps", 1e-5)), rope_theta=theta, rope_scaling=scaling,
         local_rope_theta=local_theta, local_rope_scaling=local_scaling,
         tie_embeddings=bool(outer.get("tie_word_embeddings", False) if arch.tie_outer
                             else get("tie_word_embeddings", False)), layer_types=types,
-        sliding_window=int(hf["sliding_window"]) if "sliding_attention" in types else None,
+        sliding_window=int(get("sliding_window")) if "sliding_attention" in types else None,
         bos_token_id=get("bos_token_id"), eos_token_ids=stop_ids(get("eos_token_id"), generation),
-        pad_token_id=get("pad_token_id"), max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
+        pad_token_id=get("pad_token_id"), quantization=_quant_method(hf, outer),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
         **family.switches(hf),
     )

@@ -97,6 +97,23 @@ DELTANET = (
 )
 
 
+# GPT-OSS: a learned sink logit per query head; a mixture of experts instead of the MLP
+def _gate_up(w, cfg):
+    """gate_up_proj [E, H, 2F] (gate and up columns interleaved) -> [E, H, 2F] as [gate | up]."""
+    return w.reshape(*w.shape[:-1], -1, 2).swapaxes(-1, -2).reshape(w.shape)
+
+
+SINKS = (Weight("sinks", ("q_heads",), "self_attn.sinks", keep),)
+MOE = (
+    Weight("router_w", ("hidden", "routes"), "mlp.router.weight", transpose),  # replicated: every row routes
+    Weight("router_b", ("routes",), "mlp.router.bias", keep),
+    Weight("moe_gate_up", ("experts", "hidden", "gate_up"), "mlp.experts.gate_up_proj", _gate_up),  # [in, out]
+    Weight("moe_gate_up_b", ("experts", "gate_up"), "mlp.experts.gate_up_proj_bias", _gate_up),
+    Weight("moe_down", ("experts", "mlp", "hidden"), "mlp.experts.down_proj", keep),
+    Weight("moe_down_b", ("experts", "hidden"), "mlp.experts.down_proj_bias", keep),
+)
+
+
 # ---- config switches --------------------------------------------------------------------------------------
 def _llama_switches(hf: Mapping) -> dict:
     bias = bool(hf.get("attention_bias", False))
@@ -133,6 +150,21 @@ def _qwen3_5_switches(hf: Mapping) -> dict:
                 linear_key_head_dim=int(hf.get("linear_key_head_dim", 128)),
                 linear_value_head_dim=int(hf.get("linear_value_head_dim", 128)),
                 linear_conv_kernel=int(hf.get("linear_conv_kernel_dim", 4)))
+
+
+def _gpt_oss_switches(hf: Mapping) -> dict:
+    bias = bool(hf.get("attention_bias", True))
+    return dict(qkv_bias=bias, o_bias=bias, sinks=True,
+                num_experts=int(hf.get("num_local_experts", hf.get("num_experts", 128))),
+                experts_per_token=int(hf.get("num_experts_per_tok", hf.get("experts_per_token", 4))),
+                swiglu_limit=float(hf.get("swiglu_limit", 7.0)), swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)))
+
+
+def _gpt_oss_problems(hf: Mapping) -> list[str]:
+    out = []
+    if hf.get("attn_logit_softcapping") or hf.get("final_logit_softcapping") or hf.get("query_pre_attn_scalar"):
+        out.append("logit softcapping / query_pre_attn_scalar for GPT-OSS (only Gemma's is handled)")
+    return out
 
 
 def _qwen3_5_layers(hf: Mapping, n: int) -> tuple[str, ...]:
@@ -227,7 +259,21 @@ QWEN3_5 = Family("qwen3_5", MODEL + LLAMA_NORMS + ATTENTION + MLP + DELTANET, _q
                             "mlp_only_layers", "output_gate_type"}),
                  _qwen3_5_layers, _qwen3_5_problems, defaults={"rms_norm_eps": 1e-6})
 
-FAMILIES = {f.name: f for f in (LLAMA, QWEN2, QWEN3, GEMMA2, GEMMA3, QWEN3_5)}
+# GPT-OSS: q/k/v/o biases, plain RMSNorm, sliding (128) and full layers alternating, YaRN RoPE (its attention
+# factor in cos/sin), learned sinks, a mixture of experts; MXFP4 expert weights dequantized on load.
+# Read without effect on inference: router_aux_loss_coef, output_router_logits (training), the redundant
+# experts_per_token / initial_context_length; hidden_act (the experts use their own clamped SwiGLU).
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}
+GPT_OSS = Family("gpt_oss", MODEL + LLAMA_NORMS + ATTENTION + SINKS + MOE, _gpt_oss_switches,
+                 frozenset({"layer_types", "sliding_window", "num_local_experts", "num_experts",
+                            "num_experts_per_tok", "experts_per_token", "swiglu_limit", "swiglu_alpha",
+                            "router_aux_loss_coef", "output_router_logits", "initial_context_length"}),
+                 _gemma2_layers, _gpt_oss_problems, quantizations=("mxfp4",),
+                 defaults={"head_dim": 64, "rope_theta": 150000.0, "rope_parameters": _GPT_OSS_ROPE,
+                           "sliding_window": 128})
+
+FAMILIES = {f.name: f for f in (LLAMA, QWEN2, QWEN3, GEMMA2, GEMMA3, QWEN3_5, GPT_OSS)}
 
 # The multimodal Gemma3 checkpoint: the text model under a language-model prefix; the vision tower and the
 # projector are read by nobody here. transformers >= 4.52 in memory / older saves: model.language_model.*;
@@ -254,6 +300,7 @@ ARCHITECTURES = {a.name: a for a in (
     Arch("Gemma3ForCausalLM", GEMMA3, ("gemma3_text",)),
     Arch("Gemma3ForConditionalGeneration", GEMMA3, ("gemma3",), nested=True, layouts=_GEMMA3_MM,
          outer_keys=_MM_KEYS),
+    Arch("GptOssForCausalLM", GPT_OSS, ("gpt_oss",)),
     Arch("Qwen3_5ForCausalLM", QWEN3_5, ("qwen3_5_text",), layouts=_QWEN3_5_LAYOUTS[::-1]),
     # HF ties the multimodal model's embeddings by the top-level tie_word_embeddings, not text_config's
     Arch("Qwen3_5ForConditionalGeneration", QWEN3_5, ("qwen3_5",), nested=True, layouts=_QWEN3_5_LAYOUTS,

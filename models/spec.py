@@ -115,6 +115,7 @@ class Family:
     problems: Callable[[Mapping], list[str]] = lambda hf: []
     # HF defaults of generic keys where this family's differ (rms_norm_eps, tie_word_embeddings, rope_theta)
     defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    quantizations: tuple[str, ...] = ()  # quantization_config.quant_method values the converter reads
     local_rope: bool = False  # sliding layers have their own RoPE base (Gemma3: 10k local / 1M global)
     ignored: tuple[str, ...] = ("layers.{i}.self_attn.rotary_emb.inv_freq", "rotary_emb.inv_freq",
                                 "rotary_emb.original_inv_freq")  # weightless keys (recomputed from config)
@@ -150,7 +151,9 @@ def dims(cfg) -> dict[str, int]:
             "q_dim": cfg.head_dim * (2 if cfg.attn_gate else 1),  # query (+ gate) per head
             # Gated DeltaNet: the [q | k | v] projection, value heads, their dim, the conv kernel
             "lin_qkv": 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + v_heads * dv,
-            "lin_v_heads": v_heads, "lin_dv": dv, "conv_kernel": cfg.linear_conv_kernel}
+            "lin_v_heads": v_heads, "lin_dv": dv, "conv_kernel": cfg.linear_conv_kernel,
+            # mixture of experts: experts (split over "model"), the router's outputs (replicated), gate | up
+            "experts": cfg.num_experts, "routes": cfg.num_experts, "gate_up": 2 * cfg.intermediate_size}
 
 
 def family_of(cfg) -> Family:
@@ -278,4 +281,4 @@ def split_axis(cfg, name: str, model_size: int) -> int | None:
 
 
 HEAD_AXES = ("q_heads", "kv_heads")
-SPLIT_AXES = ("mlp", "lin_v_heads")
+SPLIT_AXES = ("experts", "mlp", "lin_v_heads")

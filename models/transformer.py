@@ -17,6 +17,7 @@ import numpy as np
 
 from vdjax.models.config import ModelConfig
 from vdjax.models.deltanet import LinearState, deltanet
+from vdjax.models.moe import moe
 from vdjax.models.params import Params
 
 MASK_VALUE = -1e30  # finite, so a fully masked (padding) query row gives no NaN
@@ -53,18 +54,45 @@ def rope_inv_freq(cfg: ModelConfig, theta: float | None = None, scaling: dict | 
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         inv = np.where(medium, smoothed, scaled).astype(np.float32)
+    elif scaling.get("rope_type") == "yarn":
+        inv = _yarn_inv_freq(inv, float(theta), dim, scaling)
     return inv
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+def _yarn_inv_freq(inv: np.ndarray, theta: float, dim: int, scaling: dict) -> np.ndarray:
+    """YaRN (HF `_compute_yarn_parameters`): dims rotating faster than `beta_fast` turns over the original
+    context keep their frequency, those slower than `beta_slow` turns are divided by `factor`, a linear ramp
+    in between (bounds floored/ceiled unless truncate=False). The attention factor goes into cos/sin."""
+    factor, old = float(scaling["factor"]), scaling["original_max_position_embeddings"]
+    fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(turns):
+        return dim * math.log(old / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(fast), correction_dim(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    keep = (1 - ramp).astype(np.float32)  # 1: extrapolate (the original frequency), 0: interpolate
+    return ((inv / np.float32(factor)) * (1 - keep) + inv * keep).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scale: float = 1.0) -> jax.Array:
     """Rotate x [B, S, heads, D] at absolute positions [B, S] (HF rotate_half convention) over its first
-    R = 2 len(inv_freq) dims (all of them but for partial RoPE); the other D - R pass through."""
+    R = 2 len(inv_freq) dims (all of them but for partial RoPE); the other D - R pass through. `scale`
+    multiplies cos and sin (YaRN's attention factor)."""
     rd = 2 * inv_freq.shape[-1]
     if rd < x.shape[-1]:
-        return jnp.concatenate([apply_rope(x[..., :rd], positions, inv_freq), x[..., rd:]], axis=-1)
+        return jnp.concatenate([apply_rope(x[..., :rd], positions, inv_freq, scale), x[..., rd:]], axis=-1)
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, S, R/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [B, S, 1, R]
-    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos + rotated * sin
@@ -96,7 +124,8 @@ def project_qkv(lw: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig, 
     if cfg.qk_norm:
         q = rms_norm(q, lw["q_norm"], cfg.rms_norm_eps, cfg.norm_offset)
         k = rms_norm(k, lw["k_norm"], cfg.rms_norm_eps, cfg.norm_offset)
-    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v, gate
+    scale = cfg.rope_attention_factor
+    return apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale), v, gate
 
 
 def attend(
@@ -109,11 +138,13 @@ def attend(
     v_new: jax.Array,  # [B, K, S, D]
     cfg: ModelConfig,
     window: jax.Array | int | None = None,  # sliding window W (tokens with q_pos - kv_pos >= W are masked)
+    sinks: jax.Array | None = None,  # [Nq] learned sink logits (GPT-OSS), or None
 ):
     """Attention of the block's queries over cache slots + the block itself; returns (out [B,S,Nq,D], probs).
 
     probs [B, K, G, S, N + S] fp32 are the softmax weights over the candidates (cache slots first, then the
-    block's tokens), the input every attention-based eviction score reads.
+    block's tokens), the input every attention-based eviction score reads. With `sinks`, each head's sink
+    logit joins the softmax (unscaled, never masked) and is dropped: a row's probs sum to less than one.
     """
     b, s, nq, d = q.shape
     kh, n = k_cache.shape[1], k_cache.shape[2]
@@ -135,12 +166,82 @@ def attend(
     if window is not None:
         mask &= (qp - kp) < window
     logits = jnp.where(mask[:, :, None], logits, MASK_VALUE)
-    probs = jax.nn.softmax(logits, axis=-1)  # [B, K, G, S, C]
+    if sinks is None:
+        probs = jax.nn.softmax(logits, axis=-1)  # [B, K, G, S, C]
+    else:
+        sink = sinks.astype(jnp.float32).reshape(kh, nq // kh)[None, :, :, None, None]  # [1, K, G, 1, 1]
+        top = jnp.maximum(jnp.max(logits, axis=-1, keepdims=True), sink)
+        e = jnp.exp(logits - top)
+        probs = e / (jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink - top))
     pv = probs.astype(v_cache.dtype)
     out = jnp.einsum("bkgsn,bknd->bskgd", pv[..., :n], v_cache) + jnp.einsum(
         "bkgst,bktd->bskgd", pv[..., n:], v_new
     )
     return out.reshape(b, s, nq, d), probs
+
+
+CHUNK = 512  # query and key chunk of `causal_attention`
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array, cfg: ModelConfig,
+                     window: int | None = None, chunk: int | None = None, sinks: jax.Array | None = None
+                     ) -> jax.Array:
+    """Causal attention of a whole sequence, reading only what each query can see: q [B, T, Nq, D], k, v
+    [B, T, K, D] (after RoPE), pos [B, T] (-1 = padding) -> out [B, T, Nq, D].
+
+    Flash-style: a scan over query chunks; each runs an online softmax (fp32) over the key chunks from the
+    window's start (sliding layers) up to its own, so the work is the causal half, not T x T. A chunk's G
+    query heads of one KV head are one [G c, D] matmul operand. The running max starts at MASK_VALUE, so a
+    masked logit adds exactly 0 once a visible key has been seen (every real query sees itself); padding
+    queries give 0. Learned `sinks` [Nq] start each row's running max and sum (a logit with no value).
+    """
+    b, t, nq, d = q.shape
+    kh, g = k.shape[2], nq // k.shape[2]
+    c = min(chunk or CHUNK, t)
+    pad = -t % c
+    if pad:
+        q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
+        pos = jnp.pad(pos, ((0, 0), (0, pad)), constant_values=-1)
+    n = (t + pad) // c
+    qh = q.reshape(b, n, c, kh, g, d).transpose(1, 0, 3, 4, 2, 5).reshape(n, b, kh, g * c, d)  # [n, B, K, Gc, D]
+    kc = k.reshape(b, n, c, kh, d).transpose(1, 0, 3, 2, 4)  # [n, B, K, c, D]
+    vc = v.reshape(b, n, c, kh, d).transpose(1, 0, 3, 2, 4)
+    pc = pos.reshape(b, n, c).transpose(1, 0, 2)  # [n, B, c]
+
+    def query_chunk(_, xs):
+        qi, pq, i = xs  # [B, K, Gc, D], [B, c]
+        qp = jnp.tile(pq, (1, g))[:, None, :, None]  # [B, 1, Gc, 1]: the rows are G heads x c queries
+
+        def key_chunk(j, carry):
+            m, l, acc = carry  # [B, K, Gc], [B, K, Gc], [B, K, Gc, D]
+            s = jnp.einsum("bkqd,bkpd->bkqp", qi, kc[j], preferred_element_type=jnp.float32) * cfg.attn_scale
+            if cfg.attn_softcap:
+                s = jnp.tanh(s / cfg.attn_softcap) * cfg.attn_softcap
+            kp = pc[j][:, None, None, :]  # [B, 1, 1, c]
+            mask = (kp >= 0) & (kp <= qp)
+            if window is not None:
+                mask &= (qp - kp) < window
+            s = jnp.where(mask, s, MASK_VALUE)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            p = jnp.exp(s - m_new[..., None])
+            scale = jnp.exp(m - m_new)
+            acc = acc * scale[..., None] + jnp.einsum("bkqp,bkpd->bkqd", p.astype(v.dtype), vc[j],
+                                                      preferred_element_type=jnp.float32)
+            return m_new, l * scale + jnp.sum(p, axis=-1), acc
+
+        shape = (b, kh, g * c)
+        first = 0 if window is None else jnp.maximum(0, (i * c - window + 1) // c)
+        if sinks is None:
+            m0, l0 = jnp.full(shape, MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32)
+        else:  # rows are G heads x c queries: head g's sink on rows g c .. g c + c - 1
+            rows = jnp.repeat(sinks.astype(jnp.float32).reshape(kh, g), c, axis=1)  # [K, Gc]
+            m0, l0 = jnp.broadcast_to(rows, shape), jnp.ones(shape, jnp.float32)
+        m, l, acc = jax.lax.fori_loop(first, i + 1, key_chunk, (m0, l0, jnp.zeros(shape + (d,), jnp.float32)))
+        out = jnp.where(qp[..., 0, None] >= 0, acc / l[..., None], 0.0)  # [B, K, Gc, D]
+        return None, out.reshape(b, kh, g, c, d).transpose(0, 3, 1, 2, 4).reshape(b, c, nq, d).astype(q.dtype)
+
+    _, out = jax.lax.scan(query_chunk, None, (qh, pc, jnp.arange(n)))  # [n, B, c, Nq, D]
+    return out.transpose(1, 0, 2, 3, 4).reshape(b, n * c, nq, d)[:, :t]
 
 
 def mlp(lw: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -152,9 +253,11 @@ def mlp(lw: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 
 def mlp_block(lw: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """The second half of every layer: x + MLP(norm(x)) (post-norm on the MLP output where the family has it)."""
+    """The second half of every layer: x + MLP(norm(x)) (post-norm on the MLP output where the family has it;
+    a mixture of experts where the config has experts)."""
     eps, off = cfg.rms_norm_eps, cfg.norm_offset
-    m = mlp(lw, rms_norm(x, lw["mlp_norm"], eps, off), cfg)
+    h = rms_norm(x, lw["mlp_norm"], eps, off)
+    m = moe(lw, h, cfg) if cfg.num_experts else mlp(lw, h, cfg)
     if cfg.post_norms:
         m = rms_norm(m, lw["post_mlp_norm"], eps, off)
     return x + m
@@ -176,7 +279,7 @@ def layer_forward(
     h = rms_norm(x, lw["attn_norm"], eps, off)
     q, k, v, gate = project_qkv(lw, h, q_pos, cfg, inv_freq)
     k_new, v_new = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, S, D]
-    o, probs = attend(q, q_pos, k_cache, v_cache, pos_cache, k_new, v_new, cfg, window)
+    o, probs = attend(q, q_pos, k_cache, v_cache, pos_cache, k_new, v_new, cfg, window, lw.get("sinks"))
     if gate is not None:  # gated attention (Qwen3.5): the output times sigmoid(gate), before o_proj
         o = o * jax.nn.sigmoid(gate)
     b, s, nq, d = o.shape  # flatten heads so XLA transposes the small activation, not the weight
@@ -186,6 +289,25 @@ def layer_forward(
     if cfg.post_norms:
         a = rms_norm(a, lw["post_attn_norm"], eps, off)
     return mlp_block(lw, x + a, cfg), k_new, v_new, probs
+
+
+def causal_layer_forward(lw: dict, x: jax.Array, pos: jax.Array, cfg: ModelConfig, inv_freq: jax.Array,
+                         window: int | None = None):
+    """One attention layer over a whole sequence x [B, T, H] with `causal_attention` (no cache, no weights
+    kept): returns (x_out [B, T, H], k [B, K, T, D], v [B, K, T, D]) -- the dense prefill's layer."""
+    eps, off = cfg.rms_norm_eps, cfg.norm_offset
+    h = rms_norm(x, lw["attn_norm"], eps, off)
+    q, k, v, gate = project_qkv(lw, h, pos, cfg, inv_freq)
+    o = causal_attention(q, k, v, pos, cfg, window, sinks=lw.get("sinks"))
+    if gate is not None:
+        o = o * jax.nn.sigmoid(gate)
+    b, t, nq, d = o.shape
+    a = jnp.einsum("bsx,xh->bsh", o.reshape(b, t, nq * d), lw["wo"].reshape(nq * d, -1))
+    if cfg.o_bias:
+        a = a + lw["bo"]
+    if cfg.post_norms:
+        a = rms_norm(a, lw["post_attn_norm"], eps, off)
+    return mlp_block(lw, x + a, cfg), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
 
 def linear_layer_forward(lw: dict, x: jax.Array, q_pos: jax.Array, state: LinearState, cfg: ModelConfig):
@@ -242,5 +364,5 @@ def forward(params: Params, ids: jax.Array, logits_at: jax.Array | None = None) 
             x = dense_linear_layer(lw, x, pos, cfg)
             continue
         inv_freq, window = layer_settings(cfg, i)
-        x, _, _, _ = dense_layer(lw, x, pos, cfg, jnp.asarray(inv_freq), window)
+        x, _, _ = causal_layer_forward(lw, x, pos, cfg, jnp.asarray(inv_freq), window)
     return final_logits(params, x if logits_at is None else x[:, logits_at])

@@ -92,6 +92,31 @@ def _qwen3_5_run(mesh=None) -> dict:
     return out
 
 
+def _gpt_oss():
+    """A tiny random GPT-OSS (sliding and full layers, sinks, 4 experts top 2, YaRN) and the ragged batch."""
+    from vdjax.models.config import ModelConfig
+    from vdjax.models.spec import init_params
+
+    yarn = (("beta_fast", 32.0), ("beta_slow", 1.0), ("factor", 4.0), ("original_max_position_embeddings", 32),
+            ("rope_type", "yarn"), ("truncate", False))
+    cfg = ModelConfig(family="gpt_oss", vocab_size=61, hidden_size=32, intermediate_size=16, num_layers=2,
+                      num_heads=8, num_kv_heads=4, head_dim=8, rope_theta=150000.0, rope_scaling=yarn,
+                      layer_types=("sliding_attention", "full_attention"), sliding_window=8, qkv_bias=True,
+                      o_bias=True, sinks=True, num_experts=4, experts_per_token=2)
+    return init_params(cfg, 4), _model(4)[1]
+
+
+def _gpt_oss_run(mesh=None) -> dict:
+    """Tokens and kept positions of a GPT-OSS run on the ragged batch (and, on a mesh, the expert specs)."""
+    params, ids = _gpt_oss()
+    out = _summary(vdjax.run(params, ids, "tova", mesh=mesh, **RUN, budget=12))
+    if mesh is not None:
+        lw = sharding.shard_params(params, mesh).weights["layers"][0]
+        out["specs"] = {name: _spec(lw[name]) for name in ("moe_gate_up", "moe_down", "moe_down_b", "router_w",
+                                                            "sinks")}
+    return out
+
+
 def _runs(kv_heads: int, policies, mesh=None) -> dict:
     """{policy: summary} of vdjax.run on the ragged batch."""
     params, ids = _model(kv_heads)
@@ -144,6 +169,7 @@ def _child(group: str) -> dict:
         out["kv2_specs"] = {"wq": _spec(lw["wq"]), "wk": _spec(lw["wk"]), "w_up": _spec(lw["w_up"]),
                             "cache_k": _spec(cache.layers[0].k)}
         out["qwen3_5"] = _qwen3_5_run(sharding.make_mesh(data=2, model=2))
+        out["gpt_oss"] = _gpt_oss_run(sharding.make_mesh(data=2, model=4))
     return out
 
 
@@ -161,7 +187,7 @@ def results():
             cache, logits = vdjax.prefill(params, ids, "valuediff", block_size=8, budget=12)
             ref = {"kv4": _runs(4, POLICIES), "kv2": _runs(2, ["valuediff"]), "extra": _extra(),
                    "prefill": {"kept": _kept(cache), "logits": np.asarray(logits).tolist()},
-                   "qwen3_5": _qwen3_5_run()}
+                   "qwen3_5": _qwen3_5_run(), "gpt_oss": _gpt_oss_run()}
         got = {}
         for child in children:
             stdout, stderr = child.communicate(timeout=600)
@@ -230,6 +256,17 @@ def test_qwen3_5_on_a_mesh(results):
     assert s["rec"] == ["data", "model"] and s["conv"][0] == "data"  # the conv's channels: GSPMD's choice
     assert s["w_z"] == [None, "model"] and s["w_out"] == ["model"] and s["A_log"] == ["model"]
     assert s["w_qkv"] == []  # [q | k | v] channels mixed: replicated
+
+
+def test_gpt_oss_on_a_mesh(results):
+    """GPT-OSS on 2x4: experts split over "model" (the router and its bias replicated), sinks with their
+    query heads; the same tokens and kept positions as one device."""
+    ref, got = results
+    want, have = ref["gpt_oss"], got["gpt_oss"]
+    assert have["tokens"] == want["tokens"] and have["kept"] == want["kept"] and have["rows"] == len(LENGTHS)
+    s = have["specs"]
+    assert s["moe_gate_up"] == s["moe_down"] == s["moe_down_b"] == ["model"]
+    assert s["router_w"] == [] and s["sinks"] == ["model"]
 
 
 def test_make_mesh_checks_sizes():

@@ -21,13 +21,14 @@ import numpy as np
 from vdjax import geometry as G
 from vdjax import hybrid as HY
 
-AGG_COLUMNS = ("sink_rate", "sigma_k", "sigma_v", "ratio", "bos_attn", "bos_cos", "w_ratio", "s1_ratio", "jaccard",
-               "jaccard_std")
-LAYER_COLUMNS = ("sigma_k", "sigma_k_std", "sigma_v", "sigma_v_std", "ratio", "sink_rate", "bos_attn", "bos_cos",
-                 "w_ratio", "s1_ratio", "jaccard")
+AGG_COLUMNS = ("sink_rate", "learned_sink", "sigma_k", "sigma_v", "ratio", "bos_attn", "bos_cos", "w_ratio",
+               "s1_ratio", "jaccard", "jaccard_std")
+LAYER_COLUMNS = ("sigma_k", "sigma_k_std", "sigma_v", "sigma_v_std", "ratio", "sink_rate", "learned_sink",
+                 "bos_attn", "bos_cos", "w_ratio", "s1_ratio", "jaccard")
 LABELS = {"sink_rate": "sink rate", "sigma_k": "σK", "sigma_v": "σV", "ratio": "σV/σK", "bos_attn": "ᾱ_BOS",
            "bos_cos": "BOS key cos", "w_ratio": "‖W_V‖/‖W_K‖", "s1_ratio": "σ1(V)/σ1(K)", "jaccard": "top-k Jaccard",
-           "jaccard_std": "Jaccard std (layers)"}
+           "jaccard_std": "Jaccard std (layers)",
+          "learned_sink": "learned-sink mass"}
 
 
 def fmt(x: Any, digits: int = 3) -> str:
@@ -88,11 +89,12 @@ def write_model(geo: G.Geometry, folder: Path, extra_md: str = "") -> dict[str, 
              "|" + "---|" * len(AGG_COLUMNS),
              "| " + " | ".join(fmt(agg[c]) for c in AGG_COLUMNS) + " |", "",
              "## Per layer", "",
-             "| layer | window | σK | σV | σV/σK | sink rate | ᾱ_BOS | BOS key cos | ‖W_V‖/‖W_K‖ | σ1(V)/σ1(K) | Jaccard |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| layer | window | σK | σV | σV/σK | sink rate | learned-sink mass | ᾱ_BOS | BOS key cos | "
+             "‖W_V‖/‖W_K‖ | σ1(V)/σ1(K) | Jaccard |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for i in range(len(geo.windows)):
-        cells = [pl[c][i] for c in ("sigma_k", "sigma_v", "ratio", "sink_rate", "bos_attn", "bos_cos", "w_ratio",
-                                    "s1_ratio", "jaccard")]
+        cells = [pl[c][i] for c in ("sigma_k", "sigma_v", "ratio", "sink_rate", "learned_sink", "bos_attn", "bos_cos",
+                                    "w_ratio", "s1_ratio", "jaccard")]
         kind = (geo.windows[i] or "global") if geo.measured(i) else "Gated DeltaNet (no KV cache)"
         lines.append(f"| {i} | {kind} | " + " | ".join(fmt(float(x)) for x in cells) + " |")
     paths["md"].write_text("\n".join(lines) + "\n" + extra_md)

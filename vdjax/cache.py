@@ -12,6 +12,7 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from vdjax.models.deltanet import LinearState
 
@@ -211,11 +212,14 @@ def single_destination(scores: jax.Array, pos: jax.Array, n: int) -> jax.Array:
 
 
 def scatter_slots(buf: jax.Array, dest: jax.Array, new: jax.Array) -> jax.Array:
-    """Write new [B, K, S, ...] into buf [B, K, N, ...] at slots dest [B, K, S] (index N = dropped)."""
-    b, kh, s = dest.shape
-    bi = jnp.arange(b)[:, None, None]
-    hi = jnp.arange(kh)[None, :, None]
-    return buf.at[bi, hi, dest].set(new, mode="drop")
+    """Write new [..., S, *E] into buf [..., N, *E] at slots dest [..., S] (index N = dropped); the leading
+    dims (rows, heads, maybe stacked layers) index alike."""
+    lead, s = dest.shape[:-1], dest.shape[-1]
+    rows = int(np.prod(lead))
+    flat = buf.reshape((rows,) + buf.shape[len(lead):])
+    out = flat.at[jnp.arange(rows)[:, None], dest.reshape(rows, s)].set(
+        new.reshape((rows, s) + new.shape[len(lead) + 1:]), mode="drop")
+    return out.reshape(buf.shape)
 
 
 def select_slots(buf: jax.Array, dest: jax.Array, new: jax.Array) -> jax.Array:

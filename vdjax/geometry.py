@@ -162,9 +162,11 @@ def layer_stats(k, v, probs, *, tau: float = TAU, topk: int | None = TOPK, n_que
                 margin: int = MARGIN) -> dict[str, np.ndarray]:
     """Per-head statistics of one layer of one prompt: k, v [K, T, D], probs [Nq, T, T] -> {name: [K] or [Nq]}.
 
-    Keys: sigma_k, sigma_v, s1_k, s1_v, bos_cos ([K]); bos_attn, sink, and jaccard when topk ([Nq]).
+    Keys: sigma_k, sigma_v, s1_k, s1_v, bos_cos ([K]); bos_attn, sink, learned_sink (the mass a learned sink
+    logit takes: 1 - a row's weights, averaged over the queries; 0 without sinks), and jaccard when topk ([Nq]).
     """
     out = {name: np.asarray(a, np.float64) for name, a in _kv_stats(k, v, probs).items()}
+    out["learned_sink"] = 1.0 - np.asarray(jnp.mean(jnp.sum(probs, axis=-1), axis=-1), np.float64)
     out["sink"] = (out["bos_attn"] > tau).astype(np.float64)
     if topk:
         where = jaccard_positions(probs.shape[-1], topk, n_queries, margin)
@@ -175,7 +177,7 @@ def layer_stats(k, v, probs, *, tau: float = TAU, topk: int | None = TOPK, n_que
 
 # ---- the model-level report -----------------------------------------------------------------------------
 HEAD_FIELDS = ("sigma_k", "sigma_v", "s1_k", "s1_v", "bos_cos", "wk_norm", "wv_norm")  # per KV head
-QHEAD_FIELDS = ("bos_attn", "sink", "jaccard")  # per query head
+QHEAD_FIELDS = ("bos_attn", "sink", "learned_sink", "jaccard")  # per query head
 
 
 @dataclasses.dataclass
@@ -203,6 +205,7 @@ class Geometry:
             out["sigma_k_std"] = np.nanstd(h["sigma_k"], axis=1)  # across heads (Figure 5's error bars)
             out["sigma_v_std"] = np.nanstd(h["sigma_v"], axis=1)
         out["sink_rate"] = out.pop("sink")
+        out.setdefault("learned_sink", np.full(out["sink_rate"].shape, np.nan))  # (files written before it)
         out["ratio"] = out["sigma_v"] / out["sigma_k"]  # per-layer sigma_v / sigma_k (Figure 7)
         out["s1_ratio"] = out["s1_v"] / out["s1_k"]
         out["w_ratio"] = out["wv_norm"] / out["wk_norm"]
@@ -219,6 +222,7 @@ class Geometry:
             "w_ratio": mean["wv_norm"] / mean["wk_norm"], "s1_ratio": mean["s1_v"] / mean["s1_k"],
             "jaccard": mean["jaccard"], "jaccard_std": float(np.std(jac_layers)) if jac_layers.size else float("nan"),
             "ratio_std": float(np.nanstd(pl["ratio"])), "sink_rate_std": float(np.nanstd(pl["sink_rate"])),
+            "learned_sink": mean.get("learned_sink", float("nan")),  # NaN: no learned sinks
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -284,6 +288,8 @@ def analyze(params: Params, prompts: Sequence, *, model: str = "model", tau: flo
     for i in cfg.attention_layers:
         wk[i], wv[i] = weight_norms(params.weights["layers"][i]["wk"], params.weights["layers"][i]["wv"])
     heads["wk_norm"], heads["wv_norm"] = wk, wv
+    if not cfg.sinks:
+        heads["learned_sink"][:] = np.nan  # no learned sink logit: the rows sum to one
     for i in set(range(nl)) - set(cfg.attention_layers):  # Gated DeltaNet layers: no keys, nothing measured
         for name in heads:
             heads[name][i] = np.nan

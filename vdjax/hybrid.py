@@ -62,8 +62,10 @@ def hybrid(k, v, attn, pos, *, mix=None, **_):
     if mix is None:
         raise ValueError("policy 'hybrid' needs its mix: pass mix=[...] or load a model with saved mixes "
                          "(`vdjax analyze --model M --fit`)")
-    w = mix[attn.layer]  # [K] static floats
     vd, kd = valuediff(k, v, attn, pos), keydiff(k, v, attn, pos)
+    if not isinstance(attn.layer, int):  # inside the layer scan: this layer's row, picked on the device
+        return mix_scores(vd, kd, valid_mask(pos), jnp.asarray(mix, jnp.float32)[attn.layer])
+    w = mix[attn.layer]  # [K] static floats
     if all(x == 1.0 for x in w):
         return vd
     if all(x == 0.0 for x in w):

@@ -25,10 +25,19 @@ from vdjax.cache import (KVCache, LayerCache, block_destinations, keep_mask, sca
                          single_destination)
 from vdjax.checks import check_int
 from vdjax.models import transformer as tf
+from vdjax.models.deltanet import LinearState
 from vdjax.models.params import Params
 from vdjax.policies import AttnInfo, Policy, get_policy
 from vdjax.sampling import check_sampling, is_row_keys, sample, split
 from vdjax.sharding import batch_sharding, check_mesh, constrain_cache, shard_params
+
+
+def default_layer_scan() -> bool:
+    """Whether prefill/decode scan over layer groups by default: not on XLA:CPU (measured, bench/README.md:
+    compiles 2.4x faster but runs prefill 35 % and decode 2.7x slower, as each step copies its weight slice),
+    yes on GPU/TPU (one compiled group instead of L unrolled layers; a slice there is a cheap device copy)."""
+    return jax.default_backend() != "cpu"
+
 
 def bucket(n: int) -> int:
     """Smallest value of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (at most 1.5x apart) that is >= n."""
@@ -41,26 +50,13 @@ def bucket(n: int) -> int:
         p *= 2
 
 
-def _eviction_plan(policy: Policy, hyper, lc: LayerCache, k_new, v_new, probs, q_pos, window, layer: int = 0):
-    """Score one layer's N + S candidates; return (dest [B, K, S], new pos [B, K, N], new acc [B, K, N]).
-
-    dest is the slot each new token is written to (N = not kept); survivors never move, so applying the plan
-    writes only the S new rows of k and v.
-    """
+def _candidates(policy: Policy, hyper, lc: LayerCache, k_new, v_new, probs, q_pos, window, layer):
+    """Score one layer's N + S candidates (the cache slots, then the block): (scores [B, K, C] fp32, their
+    positions [B, K, C] (-1 invalid; dead tokens of a sliding layer dropped), accumulated attention)."""
     b, kh, s, _ = k_new.shape
     n = lc.pos.shape[-1]
     new_pos = jnp.broadcast_to(q_pos[:, None, :], (b, kh, s))  # [B, K, S]
-
-    last_pos = jnp.max(q_pos, axis=1)[:, None, None]  # [B, 1, 1]
-
-    def drop_dead(p):  # sliding layer: a token no future query can see is dead -> empty (never kept)
-        return p if window is None else jnp.where(last_pos + 1 - p >= window, -1, p)
-
-    if policy.is_dense:  # the cache is indexed by position: slot = absolute position
-        dest = jnp.where(new_pos >= 0, new_pos, n)
-        return dest, drop_dead(scatter_slots(lc.pos, dest, new_pos)), lc.acc
-
-    cand_pos = drop_dead(jnp.concatenate([lc.pos, new_pos], axis=-1))  # [B, K, C]
+    cand_pos = _drop_dead(jnp.concatenate([lc.pos, new_pos], axis=-1), q_pos, window)  # [B, K, C]
     acc = jnp.concatenate([lc.acc, jnp.zeros((b, kh, s), jnp.float32)], axis=-1)
     if policy.accumulates:
         valid_q = (q_pos >= 0).astype(jnp.float32)[:, None, :, None]  # [B, 1, S, 1]
@@ -69,41 +65,148 @@ def _eviction_plan(policy: Policy, hyper, lc: LayerCache, k_new, v_new, probs, q
     cand_k = jnp.concatenate([lc.k, k_new], axis=2)  # [B, K, C, D]
     cand_v = jnp.concatenate([lc.v, v_new], axis=2)
     scores = policy(cand_k, cand_v, attn, cand_pos, slots=n, **dict(hyper))  # [B, K, C]
+    return scores.astype(jnp.float32), cand_pos, acc
 
+
+def _drop_dead(p, q_pos, window):
+    """Positions [B, K, C] with the tokens no future query of a sliding layer can see set to -1 (empty)."""
+    if window is None:
+        return p
+    last_pos = jnp.max(q_pos, axis=1)[:, None, None]  # [B, 1, 1]
+    return jnp.where(last_pos + 1 - p >= window, -1, p)
+
+
+def _plan(scores, cand_pos, acc, n: int):
+    """Which candidates stay, for a stack of layers with the same slot count N: scores, cand_pos, acc
+    [..., B, K, N + S] -> (dest [..., B, K, S] (the slot each new token goes to, N = dropped), new pos and acc
+    [..., B, K, N]). Survivors never move, so applying the plan writes only the new rows of k and v.
+
+    Computed once for the stack of every layer of a block (not per layer): its sorts compile once."""
+    s = cand_pos.shape[-1] - n
     if s == 1:  # decode: one victim per head, found by reductions
-        victim = single_destination(scores, cand_pos, n)  # [B, K]
-        dest = jnp.where(victim < n, victim, n)[..., None]  # [B, K, 1]
+        victim = single_destination(scores, cand_pos, n)  # [..., B, K]
+        dest = victim[..., None]  # [..., B, K, 1]
         old_pos, old_acc = cand_pos[..., :n], acc[..., :n]
-        new_pos = cand_pos[..., n:]
     else:
         keep = keep_mask(scores, cand_pos, n)
         old_pos, dest = block_destinations(keep, cand_pos, n)
         old_acc = jnp.where(old_pos >= 0, acc[..., :n], 0.0)
-    return dest, scatter_slots(old_pos, dest, new_pos), scatter_slots(old_acc, dest, acc[..., n:])
+    return dest, scatter_slots(old_pos, dest, cand_pos[..., n:]), scatter_slots(old_acc, dest, acc[..., n:])
 
 
-def _run_layers(params: Params, policy: Policy, hyper, cache: KVCache, x, q_pos):
-    """All layers over one block x [B, S, H] at positions q_pos [B, S], evicting after each layer's attention.
+def _dense_plan(lc: LayerCache, q_pos, window):
+    """The dense cache is indexed by position: each new token goes to slot = its position (nothing evicted)."""
+    b, kh, n = lc.pos.shape
+    new_pos = jnp.broadcast_to(q_pos[:, None, :], (b, kh, q_pos.shape[1]))  # [B, K, S]
+    dest = jnp.where(new_pos >= 0, new_pos, n)
+    return dest, _drop_dead(scatter_slots(lc.pos, dest, new_pos), q_pos, window), lc.acc
 
-    Layers are unrolled (each has its own weight and cache buffers, so XLA reads weights in place and
-    writes only the new rows of each layer's cache).
+
+def _layer(cfg, policy: Policy, hyper, kind: int, index, lw: dict, lc, x, q_pos):
+    """One layer over a block x [B, S, H]: attention and its candidates' scores, or a Gated DeltaNet step.
+    `kind` (static) is a layer with this layer's settings (type, window, RoPE); `index` the layer's own index
+    (a traced scalar inside the layer scan). Returns (x, the layer's new cache, or an eviction `_Pending`)."""
+    if not cfg.attends(kind):  # Gated DeltaNet: its state carries the past, nothing to evict
+        return tf.linear_layer_forward(lw, x, q_pos, lc, cfg)
+    inv_freq, window = tf.layer_settings(cfg, kind)
+    x, k_new, v_new, probs = tf.layer_forward(lw, x, q_pos, lc.k, lc.v, lc.pos, cfg, jnp.asarray(inv_freq), window)
+    if policy.is_dense:
+        return x, _Pending(lc, k_new, v_new, *_dense_plan(lc, q_pos, window), planned=True)
+    return x, _Pending(lc, k_new, v_new, *_candidates(policy, hyper, lc, k_new, v_new, probs, q_pos, window,
+                                                      index))
+
+
+@dataclasses.dataclass
+class _Pending:
+    """A layer's cache update, waiting for its plan: (scores, cand_pos, acc) of its candidates, or the plan
+    itself (dest, pos, acc) once `planned`."""
+
+    lc: LayerCache
+    k_new: Any
+    v_new: Any
+    a: Any
+    b: Any
+    c: Any
+    planned: bool = False
+
+    def apply(self, dest, pos, acc) -> LayerCache:
+        return LayerCache(select_slots(self.lc.k, dest, self.k_new), select_slots(self.lc.v, dest, self.v_new),
+                          pos, acc)
+
+
+def _evict(x, updates: list):
+    """Apply every layer's eviction of a block at once: the plans of the layers sharing a slot count are
+    computed together (`_plan` on their stacked scores). Returns (x, the new per-layer caches)."""
+    groups: dict[int, list[int]] = {}
+    for i, u in enumerate(updates):
+        if isinstance(u, _Pending) and not u.planned:
+            groups.setdefault(u.lc.pos.shape[-1], []).append(i)
+    plans = {}
+    for n, idx in groups.items():
+        stacked = [jnp.stack([getattr(updates[i], f) for i in idx]) for f in ("a", "b", "c")]
+        dest, pos, acc = _plan(*stacked, n)
+        plans.update({i: (dest[j], pos[j], acc[j]) for j, i in enumerate(idx)})
+    for i, u in enumerate(updates):
+        if isinstance(u, _Pending) and u.planned:
+            plans[i] = (u.a, u.b, u.c)
+    # the writes wait for every layer's output, i.e. for every read of the old slots: XLA can write in place
+    x, plans = jax.lax.optimization_barrier((x, plans))
+    return x, tuple(u.apply(*plans[i]) if isinstance(u, _Pending) else u for i, u in enumerate(updates))
+
+
+def layer_period(cfg) -> int:
+    """The smallest p dividing L such that layers i and i + p share type, window and RoPE (1 for Llama,
+    6 for Gemma3's 5 sliding : 1 global, 4 for Qwen3.5): the layer scan's step is p layers."""
+    sig = [(cfg.layer_types[i], cfg.window(i), cfg.rope(i)[0], tuple(sorted(cfg.rope(i)[1].items())))
+           for i in range(cfg.num_layers)]
+    return next(p for p in range(1, cfg.num_layers + 1)
+                if cfg.num_layers % p == 0 and all(sig[i] == sig[i % p] for i in range(cfg.num_layers)))
+
+
+def loop_form(cfg, layers: tuple, scan: bool) -> tuple:
+    """Per-layer pytrees (weight dicts, caches) as the layer loop takes them: unchanged when unrolled; with the
+    layer scan, one tree per position j of the period, its leaves stacked over the groups [L / p, ...]."""
+    if not scan:
+        return tuple(layers)
+    p = layer_period(cfg)
+    return tuple(jax.tree.map(lambda *a: jnp.stack(a), *layers[j::p]) for j in range(p))
+
+
+def layer_form(cfg, stacked: tuple, scan: bool) -> tuple:
+    """Inverse of `loop_form`: one pytree per layer."""
+    if not scan:
+        return tuple(stacked)
+    p = len(stacked)
+    return tuple(jax.tree.map(lambda a, g=g: a[g], stacked[j]) for g in range(cfg.num_layers // p)
+                 for j in range(p))
+
+
+def _run_layers(cfg, policy: Policy, hyper, lws: tuple, caches: tuple, x, q_pos, scan: bool):
+    """All layers over one block x [B, S, H] at positions q_pos [B, S], evicting after each layer's attention;
+    `lws`, `caches` in `loop_form`. Returns (x, new caches in loop form).
+
+    Unrolled, every layer has its own weight and cache buffers: XLA reads weights in place and writes only the
+    new rows of each cache, but compiles every layer. With `scan`, one step of `layer_period` layers is
+    compiled once and scanned over the groups; XLA:CPU then copies each layer's weight slice before its
+    matmuls (measured in bench/README.md).
     """
-    cfg = params.config
-    new_layers = []
-    for i, (lw, lc) in enumerate(zip(params.weights["layers"], cache.layers)):
-        if not cfg.attends(i):  # Gated DeltaNet: its state carries the past, nothing to evict
-            x, state = tf.linear_layer_forward(lw, x, q_pos, lc, cfg)
-            new_layers.append(state)
-            continue
-        inv_freq, window = tf.layer_settings(cfg, i)
-        x, k_new, v_new, probs = tf.layer_forward(lw, x, q_pos, lc.k, lc.v, lc.pos, cfg, jnp.asarray(inv_freq),
-                                                  window)
-        dest, pos_l, acc_l = _eviction_plan(policy, hyper, lc, k_new, v_new, probs, q_pos, window, i)
-        # the writes wait for the layer output, i.e. for every read of the old slots: XLA can write in place
-        x, dest = jax.lax.optimization_barrier((x, dest))
-        new_layers.append(LayerCache(select_slots(lc.k, dest, k_new), select_slots(lc.v, dest, v_new),
-                                     pos_l, acc_l))
-    return x, KVCache(tuple(new_layers))
+    if not scan:
+        out = []
+        for i, (lw, lc) in enumerate(zip(lws, caches)):
+            x, update = _layer(cfg, policy, hyper, i, i, lw, lc, x, q_pos)
+            out.append(update)
+        return _evict(x, out)
+    p = len(lws)
+
+    def group(x, xs):
+        g, ws, cs = xs
+        out = []
+        for j in range(p):
+            x, update = _layer(cfg, policy, hyper, j, g * p + j, ws[j], cs[j], x, q_pos)
+            out.append(update)
+        return _evict(x, out)
+
+    return jax.lax.scan(group, x, (jnp.arange(cfg.num_layers // p), lws, caches))
 
 
 def layer_slots(cfg, slots: int, dense: bool) -> tuple[int, ...]:
@@ -117,8 +220,16 @@ def layer_slots(cfg, slots: int, dense: bool) -> tuple[int, ...]:
                  for i in range(cfg.num_layers))
 
 
-@functools.partial(jax.jit, static_argnames=("policy", "hyper", "slots", "block", "mesh"))
-def _prefill(params: Params, tokens, lengths, *, policy: Policy, hyper, slots: int, block: int, mesh=None):
+def _constrain(caches: tuple, mesh, scan: bool) -> tuple:
+    """Inside jit: pin the caches (in loop form) to `sharding.cache_sharding` (a no-op without a mesh)."""
+    if mesh is None:
+        return caches
+    return constrain_cache(KVCache(caches), mesh, stacked=scan).layers
+
+
+@functools.partial(jax.jit, static_argnames=("policy", "hyper", "slots", "block", "mesh", "scan"))
+def _prefill(params: Params, tokens, lengths, *, policy: Policy, hyper, slots: int, block: int, mesh=None,
+             scan: bool = False):
     """tokens [B, nb*S] (row r real up to lengths[r]) -> (cache with `slots` slots, last logits [B, V]).
 
     With a mesh the cache carry is pinned to `sharding.cache_sharding` (rows on "data", KV heads on "model").
@@ -128,40 +239,69 @@ def _prefill(params: Params, tokens, lengths, *, policy: Policy, hyper, slots: i
     nb = t // block
     pos = jnp.arange(t, dtype=jnp.int32)[None, :]
     q_pos = jnp.where(pos < lengths[:, None], pos, -1)  # [B, T]
+    if policy.is_dense:  # nothing is evicted, so block boundaries change nothing: one causal pass per layer
+        return _dense_prefill(params, tokens, q_pos, lengths, slots, mesh)
     xs = (tokens.reshape(b, nb, block).swapaxes(0, 1), q_pos.reshape(b, nb, block).swapaxes(0, 1))
     cache = KVCache.for_model(cfg, b, layer_slots(cfg, slots, policy.is_dense), params.dtype)
-    cache = constrain_cache(cache, mesh)
+    lws = loop_form(cfg, params.weights["layers"], scan)  # stacked once, outside the block loop
+    caches = _constrain(loop_form(cfg, cache.layers, scan), mesh, scan)
     h_last = jnp.zeros((b, cfg.hidden_size), params.dtype)
 
     def block_step(carry, xs):
         tok, qp = xs  # [B, S]
 
         def run(carry):
-            cache, h_last = carry
-            x, cache = _run_layers(params, policy, hyper, cache, tf.embed(params, tok), qp)
-            cache = constrain_cache(cache, mesh)
+            caches, h_last = carry
+            x, caches = _run_layers(cfg, policy, hyper, lws, caches, tf.embed(params, tok), qp, scan)
+            caches = _constrain(caches, mesh, scan)
             is_last = qp == (lengths - 1)[:, None]  # [B, S]
             h = jnp.sum(jnp.where(is_last[..., None], x, 0), axis=1)
-            return cache, jnp.where(jnp.any(is_last, axis=1)[:, None], h, h_last)
+            return caches, jnp.where(jnp.any(is_last, axis=1)[:, None], h, h_last)
 
         return jax.lax.cond(jnp.any(qp >= 0), run, lambda c: c, carry), None
 
-    (cache, h_last), _ = jax.lax.scan(block_step, (cache, h_last), xs)
-    return cache, tf.final_logits(params, h_last)
+    (caches, h_last), _ = jax.lax.scan(block_step, (caches, h_last), xs)
+    return KVCache(layer_form(cfg, caches, scan)), tf.final_logits(params, h_last)
 
 
-@functools.partial(jax.jit, static_argnames=("policy", "hyper", "mesh"))
-def _extend(params: Params, cache: KVCache, tokens, q_pos, *, policy: Policy, hyper, mesh=None):
+def _dense_prefill(params: Params, tokens, q_pos, lengths, slots: int, mesh):
+    """Dense prefill, layer by layer over the whole prompt: causal attention that reads only what each query
+    sees (`transformer.causal_attention`), Gated DeltaNet layers in their chunked form. The cache is indexed
+    by position (`slots` >= T: room for the tokens to come); sliding layers drop what no later query sees."""
+    cfg = params.config
+    b, t = tokens.shape
+    x = tf.embed(params, tokens)
+    layers = []
+    for i, lw in enumerate(params.weights["layers"]):
+        if not cfg.attends(i):
+            x, state = tf.linear_layer_forward(lw, x, q_pos, LinearState.empty(cfg, b, x.dtype), cfg)
+            layers.append(state)
+            continue
+        inv_freq, window = tf.layer_settings(cfg, i)
+        x, k, v = tf.causal_layer_forward(lw, x, q_pos, cfg, jnp.asarray(inv_freq), window)  # k, v [B, K, T, D]
+        pos = _drop_dead(jnp.broadcast_to(q_pos[:, None, :], k.shape[:3]), q_pos, window)
+        room = [(0, 0), (0, 0), (0, slots - t)]
+        layers.append(LayerCache(jnp.pad(k, room + [(0, 0)]), jnp.pad(v, room + [(0, 0)]),
+                                 jnp.pad(pos, room, constant_values=-1), jnp.zeros((b, k.shape[1], slots), jnp.float32)))
+    h_last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, H]
+    return constrain_cache(KVCache(tuple(layers)), mesh), tf.final_logits(params, h_last)
+
+
+@functools.partial(jax.jit, static_argnames=("policy", "hyper", "mesh", "scan"))
+def _extend(params: Params, cache: KVCache, tokens, q_pos, *, policy: Policy, hyper, mesh=None, scan: bool = False):
     """Append one block tokens [B, S] at positions q_pos [B, S] (-1 = padding) -> (cache, last logits [B, V]).
 
     Used for the question of the question-agnostic protocol: the cache has room for every question token,
     so the policy scores them but evicts nothing.
     """
-    cache = constrain_cache(cache, mesh)
-    x, cache = _run_layers(params, policy, hyper, cache, tf.embed(params, tokens), q_pos)
-    cache = constrain_cache(cache, mesh)
+    cfg = params.config
+    caches = _constrain(loop_form(cfg, cache.layers, scan), mesh, scan)
+    x, caches = _run_layers(cfg, policy, hyper, loop_form(cfg, params.weights["layers"], scan), caches,
+                            tf.embed(params, tokens), q_pos, scan)
+    caches = _constrain(caches, mesh, scan)
     is_last = q_pos == jnp.max(q_pos, axis=1, keepdims=True)  # [B, S]
-    return cache, tf.final_logits(params, jnp.sum(jnp.where(is_last[..., None], x, 0), axis=1))
+    return (KVCache(layer_form(cfg, caches, scan)),
+            tf.final_logits(params, jnp.sum(jnp.where(is_last[..., None], x, 0), axis=1)))
 
 
 def _grow(cache: KVCache, extra: int) -> KVCache:
@@ -190,11 +330,11 @@ QUESTION_PAD = 32  # question-agnostic protocol: the cache grows by the question
 
 @functools.partial(
     jax.jit,
-    static_argnames=("policy", "hyper", "max_out", "temperature", "top_k", "top_p", "min_new", "mesh"),
+    static_argnames=("policy", "hyper", "max_out", "temperature", "top_k", "top_p", "min_new", "mesh", "scan"),
     donate_argnums=(1,),
 )
 def _decode(params, cache, logits, lengths, key, eos, pad, max_new, *, policy, hyper, max_out, temperature, top_k,
-            top_p, min_new=0, mesh=None, live=None):
+            top_p, min_new=0, mesh=None, live=None, scan: bool = False):
     """Sample max_new (<= max_out, traced: one program per bucket) tokens into [B, max_out] from the prefill
     logits, evicting once per layer per step.
 
@@ -219,19 +359,22 @@ def _decode(params, cache, logits, lengths, key, eos, pad, max_new, *, policy, h
         i, _, _, done, _, _ = state
         return (i < max_new) & ~jnp.all(done)
 
+    cfg = params.config
+    lws = loop_form(cfg, params.weights["layers"], scan)  # stacked once, outside the token loop
+
     def body(state):
-        i, cache, tok, done, out, key = state
+        i, caches, tok, done, out, key = state
         q_pos = (lengths + i - 1)[:, None]  # [B, 1] the fed token's position
-        x, cache = _run_layers(params, policy, hyper, cache, tf.embed(params, tok[:, None]), q_pos)
-        cache = constrain_cache(cache, mesh)
+        x, caches = _run_layers(cfg, policy, hyper, lws, caches, tf.embed(params, tok[:, None]), q_pos, scan)
+        caches = _constrain(caches, mesh, scan)
         key, sub = split(key)
         nxt = sample(no_eos_before_min(tf.final_logits(params, x[:, 0]), i), sub, temperature, top_k, top_p)
         nxt = jnp.where(done, pad, nxt)
-        return i + 1, cache, nxt, done | jnp.isin(nxt, eos), out.at[:, i].set(nxt), key
+        return i + 1, caches, nxt, done | jnp.isin(nxt, eos), out.at[:, i].set(nxt), key
 
-    cache = constrain_cache(cache, mesh)
-    i, cache, _, _, out, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), cache, first, done, out, key))
-    return out, i, cache
+    caches = _constrain(loop_form(cfg, cache.layers, scan), mesh, scan)
+    i, caches, _, _, out, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), caches, first, done, out, key))
+    return out, i, KVCache(layer_form(cfg, caches, scan))
 
 
 # ---- input checking -------------------------------------------------------------------------------------
@@ -288,9 +431,11 @@ class Plan:
     slots: int
     policy: Policy
     hyper: tuple
+    scan: bool  # scan over layer groups (`default_layer_scan`) instead of unrolling the layers
 
 
-def plan(params, ids, policy, budget, block_size, extra_tokens=0, attention_mask=None, **policy_kwargs) -> Plan:
+def plan(params, ids, policy, budget, block_size, extra_tokens=0, attention_mask=None, layer_scan=None,
+         **policy_kwargs) -> Plan:
     """Check the arguments and fix the shapes (bucketed) of a prefill/generate call."""
     if not isinstance(params, Params):
         raise TypeError(f"params must be vdjax Params (from vdjax.load), got {type(params).__name__}")
@@ -311,7 +456,11 @@ def plan(params, ids, policy, budget, block_size, extra_tokens=0, attention_mask
         if budget is None:
             raise ValueError(f"policy {pol.name!r} needs budget=N (cache slots per head); only 'dense' does not")
         slots = check_int("budget", budget)
-    return Plan(padded, lengths, block, slots, pol, hyper)
+    if layer_scan is None:
+        layer_scan = default_layer_scan()
+    elif not isinstance(layer_scan, bool):
+        raise TypeError(f"layer_scan must be True, False or None (the backend's default), got {layer_scan!r}")
+    return Plan(padded, lengths, block, slots, pol, hyper, layer_scan)
 
 
 # ---- multi-device ---------------------------------------------------------------------------------------
@@ -377,6 +526,7 @@ def prefill(
     *,
     attention_mask=None,
     mesh=None,
+    layer_scan: bool | None = None,
     **policy_kwargs,
 ) -> tuple[KVCache, jax.Array]:
     """Block-prefill a prompt under eviction; returns (cache, last-token logits [batch, V]).
@@ -384,10 +534,10 @@ def prefill(
     `mesh` (a jax Mesh with axes "data" and "model", see `vdjax.sharding`) splits the batch over "data" and
     attention heads / MLP width over "model"; the cache comes back sharded the same way.
     """
-    p = plan(params, ids, policy, budget, block_size, 0, attention_mask, **policy_kwargs)
+    p = plan(params, ids, policy, budget, block_size, 0, attention_mask, layer_scan, **policy_kwargs)
     x = place(params, p.tokens, p.lengths, mesh)
     return x.real(_prefill(x.params, x.tokens, x.lengths, policy=p.policy, hyper=p.hyper, slots=p.slots,
-                           block=p.block, **x.jit_kw))
+                           block=p.block, scan=p.scan, **x.jit_kw))
 
 
 @dataclasses.dataclass
@@ -415,6 +565,7 @@ def compile_prefill(
     *,
     attention_mask=None,
     mesh=None,
+    layer_scan: bool | None = None,
     **policy_kwargs,
 ) -> PrefillProgram:
     """Compile the prefill program of this call without running it (arguments as `prefill`).
@@ -422,9 +573,9 @@ def compile_prefill(
     Warms the jit cache: a later `prefill` / `generate` / `run` of the same length bucket compiles no prefill
     program (count with `vdjax.compilation.count_compiles`).
     """
-    p = plan(params, ids, policy, budget, block_size, 0, attention_mask, **policy_kwargs)
+    p = plan(params, ids, policy, budget, block_size, 0, attention_mask, layer_scan, **policy_kwargs)
     x = place(params, p.tokens, p.lengths, mesh)
-    statics = dict(policy=p.policy, hyper=p.hyper, slots=p.slots, block=p.block, **x.jit_kw)
+    statics = dict(policy=p.policy, hyper=p.hyper, slots=p.slots, block=p.block, scan=p.scan, **x.jit_kw)
     compiled = _prefill.lower(x.params, x.tokens, x.lengths, **statics).compile()
     return PrefillProgram(compiled, (x.params, x.tokens, x.lengths), p)
 
@@ -477,7 +628,7 @@ def _append_question(x: Placed, p: Plan, cache: KVCache, q_ids: np.ndarray, extr
     if not p.policy.is_dense:
         cache, slots = _grow(cache, extra_q), slots + extra_q
     cache, logits = _extend(x.params, cache, jax.device_put(q_tokens), jax.device_put(q_pos.astype(np.int32)),
-                            policy=p.policy, hyper=p.hyper, **x.jit_kw)
+                            policy=p.policy, hyper=p.hyper, scan=p.scan, **x.jit_kw)
     return cache, logits, slots
 
 
@@ -498,6 +649,7 @@ def run(
     min_new_tokens: int = 0,
     question=None,
     mesh=None,
+    layer_scan: bool | None = None,
     **policy_kwargs,
 ) -> Generation:
     """`generate` plus timings and the final cache.
@@ -507,7 +659,9 @@ def run(
     grows by Q rounded up to QUESTION_PAD slots, nothing evicted) and decoding evicts within that larger cache.
 
     `mesh` (a jax Mesh with axes "data" and "model", see `vdjax.sharding`): rows split over "data" (padded
-    to a multiple of its size with dummy rows, dropped again), heads / MLP width over "model".
+    to a multiple of its size with dummy rows, dropped again), heads / MLP width over "model". `layer_scan`:
+    scan over layer groups (fewer programs to compile) instead of unrolling the layers; None picks
+    `default_layer_scan()` (off on XLA:CPU, where it is slower, on for GPU/TPU).
     """
     max_new = check_int("max_new_tokens", max_new_tokens)
     min_new = check_int("min_new_tokens", min_new_tokens, 0)
@@ -519,14 +673,15 @@ def run(
         q_ids = prepare_question(params, question, prepare_ids(params, ids, attention_mask)[0].shape[0])
     extra_q = 0 if q_ids is None else -(-q_ids.shape[1] // QUESTION_PAD) * QUESTION_PAD
     max_out = bucket(max_new)  # nearby max_new_tokens share one decode program (and dense cache size)
-    p = plan(params, ids, policy, budget, block_size, max_out + extra_q, attention_mask, **policy_kwargs)
+    p = plan(params, ids, policy, budget, block_size, max_out + extra_q, attention_mask, layer_scan,
+             **policy_kwargs)
     eos, pad = _stop_tokens(params.config, eos_token_id)
     x = place(params, p.tokens, p.lengths, mesh)
     key = _keys(key, x)
     params, lengths = x.params, x.lengths
     t0 = time.perf_counter()
     cache, logits = _prefill(params, x.tokens, lengths, policy=p.policy, hyper=p.hyper, slots=p.slots,
-                             block=p.block, **x.jit_kw)
+                             block=p.block, scan=p.scan, **x.jit_kw)
     slots = p.slots
     if q_ids is not None:
         cache, logits, slots = _append_question(x, p, cache, q_ids, extra_q)
@@ -536,7 +691,8 @@ def run(
     padded = {} if x.live is None else {"live": x.live}
     out, steps, cache = _decode(params, cache, logits, lengths, key, eos, pad, jax.device_put(np.int32(max_new)),
                                 policy=p.policy, hyper=p.hyper, max_out=max_out, temperature=float(temperature),
-                                top_k=int(top_k), top_p=float(top_p), min_new=min_new, **x.jit_kw, **padded)
+                                top_k=int(top_k), top_p=float(top_p), min_new=min_new, scan=p.scan,
+                                **x.jit_kw, **padded)
     out = np.asarray(out)
     t2 = time.perf_counter()
     steps = int(steps)
@@ -558,6 +714,6 @@ def generate(
     Keywords: attention_mask (left padding), temperature/top_k/top_p with an explicit `key` (one key, or one
     per row: `jax.random.split(key, batch)`), eos_token_id,
     min_new_tokens (EOS masked before), question (question-agnostic protocol, see `run`), mesh (several
-    devices, see `vdjax.sharding`) and the policy's hyper-parameters (e.g. n_sink=4 for streaming).
+    devices, see `vdjax.sharding`), layer_scan (see `run`) and the policy's hyper-parameters (e.g. n_sink=4 for streaming).
     """
     return run(params, ids, policy, budget, block_size, max_new_tokens, **kwargs).tokens

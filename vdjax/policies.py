@@ -33,7 +33,7 @@ class AttnInfo:
     probs: jax.Array  # [B, K, G, S, C] softmax weights of the block's queries over the candidates
     q_pos: jax.Array  # [B, S] absolute query positions, -1 = padding
     acc: jax.Array  # [B, K, C] attention accumulated over every query so far (GQA mean), incl. this block
-    layer: int = flax.struct.field(pytree_node=False, default=0)  # index of the layer being scored
+    layer: Any = 0  # index of the layer being scored (an int, or a traced int32 inside the layer scan)
 
     @property
     def last_index(self) -> jax.Array:

@@ -106,19 +106,23 @@ def shard_params(params, mesh: Mesh):
     return jax.device_put(params, shardings)
 
 
-def cache_sharding(cache, mesh: Mesh):
+def cache_sharding(cache, mesh: Mesh, stacked: bool = False):
     """A pytree like `cache` (a KVCache) of NamedShardings: rows over "data", heads over "model".
 
     k/v [B, K, N, D] -> P("data", "model"), pos/acc [B, K, N] -> P("data", "model"); a Gated DeltaNet state's
     rec [B, Hv, dk, dv] -> P("data", "model") (value heads), conv [B, K-1, C] -> P("data"). An axis whose size
     does not divide (B by "data", heads by "model") is replicated. Works on arrays and on tracers inside jit.
+    `stacked`: the layers' caches carry a leading (replicated) axis of layer groups (the pipeline's layer scan).
     """
     from vdjax.models.deltanet import LinearState
 
     check_mesh(mesh)
 
+    lead = 1 if stacked else 0
+
     def one(x, heads: bool = True):
-        spec = [_split(mesh, DATA, x.shape[0]), _split(mesh, MODEL, x.shape[1]) if heads else None]
+        spec = [None] * lead + [_split(mesh, DATA, x.shape[lead]),
+                                _split(mesh, MODEL, x.shape[lead + 1]) if heads else None]
         while spec and spec[-1] is None:
             spec.pop()
         return NamedSharding(mesh, P(*spec))
@@ -136,8 +140,8 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(check_mesh(mesh), P(DATA))
 
 
-def constrain_cache(cache, mesh: Mesh | None):
+def constrain_cache(cache, mesh: Mesh | None, stacked: bool = False):
     """Inside jit: pin the cache to `cache_sharding` (a no-op without a mesh)."""
     if mesh is None:
         return cache
-    return jax.lax.with_sharding_constraint(cache, cache_sharding(cache, mesh))
+    return jax.lax.with_sharding_constraint(cache, cache_sharding(cache, mesh, stacked))
