@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from vdjax.prompt import has_chat_template, render_chat
+from vdjax.prompt import render_chat, render_split
 
 PROTOCOLS = ("paper", "question_agnostic")
 
@@ -56,21 +56,10 @@ def render_text(tokenizer, sample: Sample, template_kwargs: Mapping[str, Any] | 
 
 def render_ids(tokenizer, sample: Sample,
                template_kwargs: Mapping[str, Any] | None = None) -> tuple[list[int], list[int]]:
-    """(context ids, question ids): the full input tokenised once, split at the end of the context.
-
-    `context + question` ids are exactly the tokenisation of the whole input (BOS added by the tokenizer
-    when the text has no chat template of its own); a token straddling the boundary goes to the context.
-    """
-    text, boundary = render_text(tokenizer, sample, template_kwargs)
-    templated = sample.chat_template and has_chat_template(tokenizer)
-    enc = tokenizer(text, add_special_tokens=not templated, return_offsets_mapping=True)
-    ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
-    split = len(ids)
-    for i, (start, end) in enumerate(offsets):
-        if end > start and start >= boundary:
-            split = i
-            break
-    return ids[:split], ids[split:]
+    """(context ids, question ids) of `sample`: `vdjax.prompt.render_split` of its texts (tokenised once, split
+    at the end of the context)."""
+    return render_split(tokenizer, sample.context, sample.question, answer_prefix=sample.answer_prefix,
+                        chat=sample.chat_template, template_kwargs=template_kwargs)
 
 
 def token_counter(tokenizer, template_kwargs: Mapping[str, Any] | None = None) -> Callable[[Sample], int]:

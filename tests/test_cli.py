@@ -146,26 +146,40 @@ def test_generate_dense_plain_file(tiny_model, tmp_path, capsys):
 
 
 def test_demo(tiny_model, capsys):
-    rc = main(
-        [
-            "demo",
-            "--model",
-            str(tiny_model),
-            "--length",
-            "200",
-            "--budget",
-            "64",
-            "--policies",
-            "dense,valuediff,streaming",
-            "--max-new-tokens",
-            "4",
-        ]
-    )
-    out = capsys.readouterr().out
+    rc = main(["demo", "--model", str(tiny_model), "--length", "200", "--budget", "64", "--policies",
+               "dense,valuediff,keydiff,streaming", "--max-new-tokens", "4"])
+    captured = capsys.readouterr()
+    out = captured.out
     assert rc == 0
-    assert "prompt 2" in out and "budget N=64" in out and "Total wall time" in out
-    for name, slots in (("dense", r"\d+/\d+"), ("valuediff", "64/64"), ("streaming", "64/64")):
-        assert re.search(rf"│ {re.escape(name)} +│.*│ +[✓✗] +│.*│ +{slots} │", out), (name, out)
+    assert "budget N=64" in out and "geometry  σV/σK " in out and "sink rate" in out and "total " in out
+    for name in ("dense", "valuediff", "keydiff", "streaming"):
+        assert re.search(rf"^  {re.escape(name)} +[0-3]/3 ", out, re.M), (name, out)
+    assert re.search(r"verdict .*valuediff\s+\d,\s+keydiff\s+\d\s+->", out, re.S)
+    assert all(len(line) <= 80 for line in out.splitlines()), max(out.splitlines(), key=len)
+    assert "[" in captured.err and "found" in captured.err  # progress lines, also without a TTY
+
+
+@pytest.mark.parametrize("protocol", ["paper", "question_agnostic"])
+def test_generate_context_file_and_question(tiny_model, tmp_path, capsys, protocol):
+    ctx = tmp_path / "ctx.txt"
+    ctx.write_text("The grass is green. The sky is blue. " * 20)
+    rc = main(["generate", "--model", str(tiny_model), "--context-file", str(ctx), "--question",
+               " What color is the sky?", "--protocol", protocol, "--policy", "valuediff", "--budget", "32",
+               "--block-size", "16", "--max-new-tokens", "3"])
+    out = capsys.readouterr().out
+    assert rc == 0 and f"{protocol} protocol" in out and "budget N            " in out
+    import vdjax
+
+    tok, params = vdjax.load_tokenizer(tiny_model), vdjax.load(tiny_model)
+    want = vdjax.answer(params, tok, ctx.read_text(), " What color is the sky?", "valuediff", 32,
+                        protocol=protocol, block_size=16, max_new_tokens=3)
+    assert out.splitlines()[0] == want.text
+
+
+def test_question_needs_context_file(tiny_model, capsys):
+    assert main(["generate", "--model", str(tiny_model), "--prompt", "hi", "--question", "q", "--policy",
+                 "dense"]) == 2
+    assert "--question: goes with --context-file" in capsys.readouterr().err
 
 
 def test_empty_prompt(tiny_model, capsys):
@@ -187,7 +201,7 @@ def test_empty_prompt(tiny_model, capsys):
         ),
         (["generate", "--budget", "4", "--prompt", "x", "--policy-arg", "n_sink=2"], "argument --policy-arg"),
         (["generate", "--budget", "4", "--prompt", "x", "--top-p", "0"], "argument --top-p"),
-        (["generate", "--budget", "4"], "one of the arguments --prompt --prompt-file is required"),
+        (["generate", "--budget", "4"], "one of the arguments --prompt --prompt-file --context-file is required"),
         (["demo", "--policies", "dense,nope"], "argument --policies: unknown policy 'nope'"),
         (["convert", "not-a-model"], "neither a .gguf file nor a registered model"),
         (["convert", "/no/such/model.gguf"], "argument NAME_OR_GGUF: no such file"),

@@ -227,7 +227,7 @@ def test_gemma3_multimodal_checkpoint_loads_text_model(tmp_path):
 @pytest.mark.parametrize("change, match", [
     ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
     ({"hidden_activation": "relu"}, "hidden_act='relu'"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope type 'yarn'"),
+    ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e4}}, "rope type 'longrope'"),
     ({"some_new_switch": 3}, "some_new_switch=3"),
     ({"layer_types": ["chunked_attention"] * 2}, "chunked_attention"),
 ])

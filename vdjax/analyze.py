@@ -204,14 +204,14 @@ def analyze_model(model: str, out: str | os.PathLike, *, prompts_file: str | Non
         per_category: int = 4, tau: float = G.TAU, topk: int = G.TOPK, n_queries: int = G.N_QUERIES,
         jaccard_prompts: int = 8, fit: bool = False, budget: int = 256, block_size: int = 128,
         fit_prompts: int = 4, fit_steps: int = 60, per_head: bool = False, save_to_model: bool = True,
-        console=None) -> dict[str, Any]:
+        console=None, dtype=None, revision: str | None = None) -> dict[str, Any]:
     """Analyse `model` into OUT/<model>/, write hybrid mixes (geometry rule; fitted with `fit`), refresh
     OUT's all-models table and scatter. Returns {"geometry": Geometry, "paths": {...}, "hybrid": {...}}."""
     import vdjax
     from vdjax.calibration import calibration_prompts, prompts_from_file
 
     say = console.print if console is not None else (lambda *a, **k: None)
-    params, tok = vdjax.load(model), vdjax.load_tokenizer(model)
+    params, tok = vdjax.load(model, dtype, revision), vdjax.load_tokenizer(model, revision)
     cfg = params.config
     limit = getattr(cfg, "max_position_embeddings", None) or length
     length = min(length, limit)

@@ -121,14 +121,43 @@ def check_policy(name: str, policy_args=(), argument: str = "--policy"):
     return policy
 
 
-def _resolve_model(name_or_path: str) -> Path:
-    """The HF checkpoint folder of --model (converting a registered name on first use)."""
+def _resolve_model(name_or_path: str, revision: str | None = None) -> Path:
+    """The HF checkpoint folder of --model (converting a registered name on first use, a Hub id from the HF
+    cache or downloaded)."""
     from vdjax import registry
 
     try:
-        return registry.resolve(name_or_path)
+        return registry.resolve(name_or_path, revision)
     except ValueError as e:
         raise UsageError(f"argument --model: {e}") from None
+
+
+def _model_name(model: str, folder: Path) -> str:
+    """The results folder's model name: a registered name as is, a Hub id's repository name, else the folder's."""
+    from vdjax import registry
+
+    if model in _registered_models():
+        return model
+    if registry.is_hub_id(model) and not Path(model).exists():
+        return model.split("/")[-1]
+    return Path(folder).resolve().name
+
+
+def _load(args):
+    """(params, tokenizer) of --model / --revision / --dtype, the compile cache turned on."""
+    folder = _resolve_model(args.model, getattr(args, "revision", None))
+    enable_compile_cache()
+    import vdjax
+
+    return vdjax.load(folder, getattr(args, "dtype", None)), vdjax.load_tokenizer(folder)
+
+
+def _add_model_args(p, default: str = "smollm2-135m") -> None:
+    """--model, --revision, --dtype (shared by the subcommands that load a model)."""
+    p.add_argument("--model", default=default, help="registered name, HF checkpoint folder or Hub id (owner/name)")
+    p.add_argument("--revision", help="Hub revision (branch, tag or commit) of a Hub id")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                   help="weight dtype (default: float32 on CPU, the checkpoint's dtype on GPU/TPU)")
 
 
 def cache_slots(gen) -> tuple[int, int, int]:
@@ -149,6 +178,27 @@ def _mib(n: float) -> str:
 
 
 # ---- generate ----------------------------------------------------------------------------------------------
+def _prompt_ids(args, tokenizer) -> tuple[list[int], list[int]]:
+    """(context ids, question ids) of --prompt / --prompt-file (no question) or --context-file + --question
+    (the model's chat template unless --no-chat, the boundary where the context ends)."""
+    from vdjax.needle import format_prompt
+    from vdjax.prompt import render_split
+
+    if args.context_file is None:
+        text = Path(args.prompt_file).read_text() if args.prompt_file is not None else args.prompt
+        return format_prompt(tokenizer, text, chat=not args.no_chat)[1], []
+    return render_split(tokenizer, Path(args.context_file).read_text(), args.question or "", chat=not args.no_chat)
+
+
+def _check_prompt_args(args) -> None:
+    """--prompt-file / --context-file exist, --question only with --context-file (before any model loads)."""
+    if args.question is not None and args.context_file is None:
+        raise UsageError("argument --question: goes with --context-file (--prompt is the whole input)")
+    for flag, value in (("--prompt-file", args.prompt_file), ("--context-file", args.context_file)):
+        if value is not None and not Path(value).is_file():
+            raise UsageError(f"argument {flag}: no such file: {str(Path(value))!r}")
+
+
 def cmd_generate(args) -> int:
     """Generate an answer to one prompt under the chosen policy and budget, then print cache stats."""
     policy = check_policy(args.policy, args.policy_arg)
@@ -158,55 +208,45 @@ def cmd_generate(args) -> int:
             ">= 1); only 'dense' does not"
         )
     mesh = _cli_mesh(args.mesh)
-    if args.prompt_file is not None:
-        path = Path(args.prompt_file)
-        if not path.is_file():
-            raise UsageError(f"argument --prompt-file: no such file: {str(path)!r}")
-        prompt = path.read_text()
-    else:
-        prompt = args.prompt
-    folder = _resolve_model(args.model)
-    enable_compile_cache()
+    _check_prompt_args(args)
+    params, tokenizer = _load(args)
+    ctx, q = _prompt_ids(args, tokenizer)
+    agnostic = args.protocol == "question_agnostic" and bool(q)
+    ids = ctx if agnostic else ctx + q
 
     import jax
 
-    import vdjax
-    from vdjax.needle import format_prompt
     from vdjax.pipeline import prepare_ids
 
-    params, tokenizer = vdjax.load(folder), vdjax.load_tokenizer(folder)
-    _, ids = format_prompt(tokenizer, prompt, chat=not args.no_chat)
     try:
         prepare_ids(params, ids)  # e.g. an empty prompt, or ids outside this model's vocabulary
     except ValueError as e:
         raise UsageError(f"argument --prompt: {e}") from None
     gen, ttft, decode_s, compile_s = timed_run(
-        params,
-        ids,
-        policy,
-        None if policy.is_dense else args.budget,
-        block_size=args.block_size,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        key=jax.random.key(args.seed),
-        mesh=mesh,
-        **dict(args.policy_arg),
-    )
-
-    new = int(gen.tokens.shape[1])
-    lo, hi, n = cache_slots(gen)
-    seen = len(ids) + new - 1  # the last token is sampled, never cached
-    dense_bytes = gen.cache.nbytes() / n * seen
-    cfg = params.config
+        params, ids, policy, None if policy.is_dense else args.budget, block_size=args.block_size,
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        key=jax.random.key(args.seed), mesh=mesh, question=q if agnostic else None, **dict(args.policy_arg))
     print(_answer(tokenizer, gen.tokens[0]).strip())
     print()
-    print(f"model               {args.model} ({cfg.num_layers} layers x {cfg.num_kv_heads} KV heads)")
+    _print_run(args, params, gen, len(ctx) + len(q), (ttft, decode_s, compile_s), mesh)
+    return 0
+
+
+def _print_run(args, params, gen, prompt_len: int, times: tuple, mesh) -> None:
+    """The cache and timing lines of `vdjax generate`."""
+    ttft, decode_s, compile_s = times
+    new = int(gen.tokens.shape[1])
+    lo, hi, n = cache_slots(gen)
+    seen = prompt_len + new - 1  # the last token is sampled, never cached
+    dense_bytes = gen.cache.nbytes() / n * seen
+    cfg = params.config
+    print(f"model               {args.model} ({cfg.num_layers} layers x {cfg.num_kv_heads} KV heads, "
+          f"{params.dtype.name})")
     print(f"policy              {gen.policy} {dict(gen.hyper) or ''}".rstrip())
-    print(f"prompt tokens       {len(ids)}{'' if args.no_chat else ' (chat template applied)'}")
+    protocol = f", {args.protocol} protocol" if args.context_file is not None and args.question else ""
+    print(f"prompt tokens       {prompt_len}{'' if args.no_chat else ' (chat template applied)'}{protocol}")
     print(
-        f"budget N            {'dense: ' + str(n) + ' slots (no eviction)' if policy.is_dense else n}"
+        f"budget N            {'dense: ' + str(n) + ' slots (no eviction)' if gen.policy == 'dense' else n}"
         f" per KV head, block size {args.block_size}"
     )
     print(f"valid slots/head    min {lo}, max {hi} (over layers and KV heads; {seen} tokens seen)")
@@ -219,110 +259,27 @@ def cmd_generate(args) -> int:
     print(f"time to first token {ttft:.2f} s (+ {compile_s:.1f} s jit compile, prefill and decode)")
     rate = f"{gen.steps / decode_s:.1f} tok/s" if gen.steps and decode_s > 0 else "n/a"
     print(f"decode              {rate} ({new} new tokens, {gen.steps} decode steps in {decode_s:.2f} s)")
-    return 0
 
 
 # ---- demo --------------------------------------------------------------------------------------------------
 def cmd_demo(args) -> int:
-    """Run dense and every policy on one needle prompt at one budget; print a table of answers and costs."""
+    """The thesis in a minute: a few policies on both real models (sink-dominated SmolLM2, sink-suppressed
+    Gemma3-270M), each model's geometry in one line, a verdict (`vdjax.demo`)."""
+    from vdjax import demo
+    from vdjax.policies import default_policies
+
     names = [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else None
     if names == []:
         raise UsageError("argument --policies: give a comma-separated list of policy names")
     for name in names or []:
         check_policy(name, argument="--policies")
-    folder = _resolve_model(args.model)
-    cache = enable_compile_cache()
-
-    import jax
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
-    from rich.text import Text
-
-    import vdjax
-    from vdjax.needle import is_correct, needle_prompt
-
-    wall = time.perf_counter()
-    params, tokenizer = vdjax.load(folder), vdjax.load_tokenizer(folder)
-    from vdjax.policies import default_policies
-
-    names = names or default_policies(params) + ["valuediff+sinks4"]
-    dense = {name: check_policy(name, argument="--policies").is_dense for name in names}
-    prompt = needle_prompt(tokenizer, args.length, depth=args.depth, seed=args.seed)
-    budget = args.budget or max(64, 64 * round(prompt.n_tokens / 4 / 64))
-    console = Console()
-    console.print(
-        f"model [bold]{escape(args.model)}[/]  prompt {prompt.n_tokens} tokens  needle {prompt.key} = "
-        f"[bold]{prompt.answer}[/] at depth {prompt.depth:g}  budget N={budget}  block {args.block_size}"
-    )
-
-    rows = []
-    progress = Progress(
-        TextColumn("{task.description:<22}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),
-        transient=True,
-    )
-    with progress:
-        task = progress.add_task(names[0], total=len(names))
-        for name in names:
-            progress.update(task, description=name)
-            gen, ttft, decode_s, compile_s = timed_run(
-                params,
-                prompt.ids,
-                name,
-                None if dense[name] else budget,
-                block_size=args.block_size,
-                max_new_tokens=args.max_new_tokens,
-                key=jax.random.key(args.seed),
-            )
-            text = _answer(tokenizer, gen.tokens[0])
-            line = (text.strip().splitlines() or [""])[0]
-            lo, hi, n = cache_slots(gen)
-            rows.append(
-                (
-                    name,
-                    line[:40] + ("…" if len(line) > 40 else ""),
-                    is_correct(text, prompt.answer),
-                    ttft,
-                    compile_s,
-                    gen.steps / decode_s if gen.steps and decode_s > 0 else None,
-                    f"{lo}/{n}" if lo == hi else f"{lo}-{hi}/{n}",
-                )
-            )
-            progress.advance(task)
-
-    table = Table(title=f"needle in a haystack: {prompt.n_tokens} tokens, budget N={budget}")
-    for col, justify in (
-        ("policy", "left"),
-        ("answer", "left"),
-        ("correct", "center"),
-        ("TTFT (s)*", "right"),
-        ("compile (s)", "right"),
-        ("decode tok/s", "right"),
-        ("cache slots (valid/N)", "right"),
-    ):
-        table.add_column(col, justify=justify)
-    for name, line, ok, ttft, comp, rate, slots in rows:
-        table.add_row(
-            name,
-            Text(line),
-            "[green]✓[/]" if ok else "[red]✗[/]",
-            f"{ttft:.2f}",
-            f"{comp:.1f}",
-            "n/a" if rate is None else f"{rate:.1f}",
-            slots,
-        )
-    console.print(table)
-    where = f" (cached in {cache}: a second run skips most of it)" if cache else ""
-    console.print(
-        f"* time to first token with the jit compilation taken out: each policy compiles its own prefill "
-        f"and decode programs, which is the 'compile' column{where}. Greedy, at most {args.max_new_tokens} "
-        f"new tokens. Total wall time {time.perf_counter() - wall:.0f} s."
-    )
+    models = [args.model] if args.model else list(demo.MODELS)
+    for m in models:
+        _resolve_model(m)  # a missing package or folder is a usage error, before anything runs
+    enable_compile_cache()
+    policies = names or (default_policies() if args.all else list(demo.POLICIES))
+    demo.run_demo(models, policies, length=args.length, block=args.block_size, max_new=args.max_new_tokens,
+                  seed=args.seed, budget=args.budget)
     return 0
 
 
@@ -507,7 +464,7 @@ def cmd_eval(args) -> int:
     mesh = _cli_mesh(args.mesh)
     folder = _resolve_model(args.model)
     policies = policies or _eval_policies(args, folder)
-    model_name = args.model if (args.model in _registered_models()) else Path(folder).resolve().name
+    model_name = _model_name(args.model, folder)
     cache = enable_compile_cache()
 
     from rich.console import Console
@@ -516,19 +473,20 @@ def cmd_eval(args) -> int:
     from vdjax.eval.report import rich_tables, summarize
     from vdjax.eval.runner import evaluate
 
-    params, tokenizer = vdjax.load(folder), vdjax.load_tokenizer(folder)
+    params, tokenizer = vdjax.load(folder, args.dtype), vdjax.load_tokenizer(folder)
     length = length or _eval_length(args, module, params)
     sampling, template = _eval_sampling(args, folder), _template_kwargs(args)
+    samples = args.samples or getattr(module, "DEFAULT_SAMPLES", 20)
     console = Console()
     console.print(f"{args.benchmark} on [bold]{model_name}[/]: policies {[p.name for p in policies]}, "
-                  f"budgets {args.budgets or []}, length {length}, {args.samples} samples/task x {args.draws} "
+                  f"budgets {args.budgets or []}, length {length}, {samples} samples/task x {args.draws} "
                   f"draws, protocol {args.protocol}, block {args.block_size}, decoding {sampling or 'greedy'}"
                   f"{', template ' + str(template) if template else ''} -> {args.out}")
     wall = time.perf_counter()
     try:
         pred = evaluate(params, tokenizer, module, model_name=model_name, tasks=args.tasks,
                         policies=[p.name for p in policies], budgets=args.budgets or None, length=length,
-                        num_samples=args.samples, seed=args.seed, out_dir=args.out, protocol=args.protocol,
+                        num_samples=samples, seed=args.seed, out_dir=args.out, protocol=args.protocol,
                         block_size=args.block_size, batch_size=args.batch_size, data_dir=args.data_dir,
                         template_kwargs=template, sampling=sampling, draws=args.draws,
                         allow_mixed=args.allow_mixed, mesh=mesh)
@@ -594,7 +552,7 @@ def cmd_analyze(args) -> int:
                   per_category=args.per_category, tau=args.tau, topk=args.topk, n_queries=args.n_queries,
                   jaccard_prompts=args.jaccard_prompts, fit=args.fit, budget=args.budget,
                   block_size=args.block_size, fit_prompts=args.fit_prompts, fit_steps=args.fit_steps,
-                  per_head=args.per_head, console=console)
+                  per_head=args.per_head, console=console, dtype=args.dtype, revision=args.revision)
     except ValueError as e:
         raise UsageError(str(e)) from None
     geo, paths = res["geometry"], res["paths"]
@@ -630,7 +588,7 @@ def _registered_models() -> list[str]:
 def _add_generate(sub) -> None:
     """The `vdjax generate` subcommand."""
     g = sub.add_parser("generate", help="answer one prompt under a KV budget and print cache stats")
-    g.add_argument("--model", default="smollm2-135m", help="registered name or HF checkpoint folder")
+    _add_model_args(g)
     g.add_argument("--policy", default="valuediff", help="registered policy, optionally +sinksN / +recentN")
     g.add_argument("--budget", type=_POSITIVE, help="cache slots per KV head (not needed for dense)")
     g.add_argument("--block-size", type=_POSITIVE, default=128)
@@ -643,8 +601,13 @@ def _add_generate(sub) -> None:
     g.add_argument("--mesh", type=_mesh_shape, metavar="DATAxMODEL",
                    help="run on a device mesh, e.g. 2x4: batch over 2, attention heads / MLP over 4 devices")
     src = g.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt")
+    src.add_argument("--prompt", help="the whole input (one user turn)")
     src.add_argument("--prompt-file")
+    src.add_argument("--context-file", help="a long context; the question comes from --question")
+    g.add_argument("--question", help="asked after --context-file's context (one user turn: context + question)")
+    g.add_argument("--protocol", choices=("paper", "question_agnostic"), default="paper",
+                   help="paper: context + question block-prefilled under eviction; question_agnostic: the context "
+                        "cut to budget first, the question appended whole")
     g.add_argument(
         "--policy-arg",
         type=_policy_arg,
@@ -658,16 +621,15 @@ def _add_generate(sub) -> None:
 
 def _add_demo(sub) -> None:
     """The `vdjax demo` subcommand."""
-    d = sub.add_parser("demo", help="needle-in-a-haystack: every policy at one budget, as a table")
-    d.add_argument("--model", default="smollm2-135m")
-    d.add_argument("--length", type=_POSITIVE, default=2048, help="prompt length in tokens")
+    d = sub.add_parser("demo", help="the thesis in a minute: needles on both real models, their geometry, a "
+                                    "verdict")
+    d.add_argument("--model", help="one model only (default: smollm2-135m and gemma3-270m)")
+    d.add_argument("--length", type=_POSITIVE, default=1024, help="prompt length in tokens")
     d.add_argument("--budget", type=_POSITIVE, help="default: a quarter of the prompt, a multiple of 64")
     d.add_argument("--block-size", type=_POSITIVE, default=128)
-    d.add_argument(
-        "--policies", help="comma list (default: dense, every registered policy, valuediff+sinks4)"
-    )
-    d.add_argument("--max-new-tokens", type=_POSITIVE, default=16)
-    d.add_argument("--depth", type=_float_in(0, 1), default=0.5, help="needle position as a fraction")
+    d.add_argument("--policies", help="comma list (default: dense, streaming, keydiff, valuediff)")
+    d.add_argument("--all", action="store_true", help="every registered policy")
+    d.add_argument("--max-new-tokens", type=_POSITIVE, default=12)
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=cmd_demo)
 
@@ -689,7 +651,7 @@ def _add_eval(sub) -> None:
         "eval", help="benchmark policies x budgets (RULER, LongBench, MATH-500), resumable",
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EVAL_NOTES)
     e.add_argument("benchmark", choices=BENCHMARKS)
-    e.add_argument("--model", default="smollm2-135m", help="registered name or HF checkpoint folder")
+    _add_model_args(e)
     e.add_argument("--policies", type=_name_list,
                    help="comma list (default: dense and every registered policy the model is calibrated for)")
     e.add_argument("--budgets", type=_budget_list,
@@ -699,7 +661,8 @@ def _add_eval(sub) -> None:
                    help="tokens: RULER's whole input (default 4096); LongBench's prompt after middle truncation "
                         "(no default: give it, or `model` = max_position_embeddings - 500, the model2maxlen "
                         "rule); MATH-500's dense max_new_tokens (default 16384)")
-    e.add_argument("--samples", type=_POSITIVE, default=20, help="samples per task")
+    e.add_argument("--samples", type=_POSITIVE,
+                   help="samples per task (default: the benchmark's own, MATH-500's first 100 problems; else 20)")
     e.add_argument("--draws", type=_POSITIVE, default=1,
                    help="generations per sample (MATH-500's k; needs sampling)")
     e.add_argument("--sampling", choices=("greedy", "model"), default="greedy",
@@ -737,7 +700,7 @@ def _add_rescore(sub) -> None:
 def _add_analyze(sub) -> None:
     """The `vdjax analyze` subcommand."""
     a = sub.add_parser("analyze", help="KV-geometry diagnostics (σV/σK, sinks, BOS, Jaccard) + hybrid mixes")
-    a.add_argument("--model", default="smollm2-135m", help="registered name or HF checkpoint folder")
+    _add_model_args(a)
     a.add_argument("--out", default="results/geometry", help="output folder (one subfolder per model)")
     a.add_argument("--prompts", help="own calibration prompts: .jsonl ({\"text\": ...} per line) or .txt ('---' "
                                      "separated); default: the built-in narrative/qa/code/math/retrieval set")

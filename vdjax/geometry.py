@@ -310,6 +310,18 @@ class _Plain:
 
 
 # ---- the paper's reference values (Tables 4, 5, 6, 8) ---------------------------------------------------
+def mechanism(cfg) -> str:
+    """The paper's sink-suppression mechanism of a config (Table 4's column): gated attention, learned sink,
+    softcapping, QK-norm, or none."""
+    if cfg.attn_gate:
+        return "gated attention"
+    if cfg.sinks:
+        return "learned sink"
+    if cfg.attn_softcap:
+        return "softcapping"
+    return "QK-norm" if cfg.qk_norm else "none"
+
+
 # model: (mechanism, sink rate, sigma_k, sigma_v, sigma_v/sigma_k, bos_attn, bos_cos, w_ratio, s1_ratio, jaccard)
 PAPER: dict[str, tuple] = {
     "Llama 3.1-8B": ("None", 0.801, 1.783, 0.583, 0.33, 0.591, -0.604, 0.192, 0.057, 0.347),

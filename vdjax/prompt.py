@@ -53,3 +53,23 @@ def render_chat(tokenizer, context: str, question: str = "", *, answer_prefix: s
     if marked.replace(_MARK, "") != text:  # the template trimmed next to the boundary
         cut = min(cut, len(os.path.commonprefix([text, marked])))
     return text + answer_prefix, cut
+
+
+def render_split(tokenizer, context: str, question: str = "", *, answer_prefix: str = "", chat: bool = True,
+                 template_kwargs: Mapping[str, Any] | None = None) -> tuple[list[int], list[int]]:
+    """(context ids, question ids) of `render_chat`'s text, tokenised once and split at the end of the context.
+
+    `context + question` ids are exactly the tokenisation of the whole input (BOS added by the tokenizer when
+    the text has no chat template of its own); a token straddling the boundary goes to the context.
+    """
+    text, boundary = render_chat(tokenizer, context, question, answer_prefix=answer_prefix, chat=chat,
+                                 template_kwargs=template_kwargs)
+    templated = chat and has_chat_template(tokenizer)
+    enc = tokenizer(text, add_special_tokens=not templated, return_offsets_mapping=True)
+    ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
+    split = len(ids)
+    for i, (start, end) in enumerate(offsets):
+        if end > start and start >= boundary:
+            split = i
+            break
+    return ids[:split], ids[split:]
