@@ -9,6 +9,15 @@ model cards (DeepSeek-R1, Qwen3): the problem, a newline, then "Please reason st
 answer within \\boxed{}." The problem is `Sample.context` and the newline + instruction is `Sample.question`,
 so the question-agnostic protocol compresses the problem statement and appends the instruction afterwards.
 
+Problems (Table 10: "n=100, first 100 problems"): `build` with `num_samples=None` takes the first
+`PAPER_PROBLEMS` = 100 lines of the file; `DEFAULT_SAMPLES` names that default for a runner or CLI (as
+`DEFAULT_LENGTH` does for the length). Give `num_samples=500` for the whole set.
+
+Scoring (Appendix F): each generation is scored by openai/prm800k's `grade_answer` on its last `\\boxed{}`
+(metric "grade_answer", `vdjax.eval.grader`); the summary adds exact match, math_verify's `math_equiv`, and
+over the k draws of a problem flex@k / exact@k / pass@k (`vdjax.eval.metrics.math_at_k`). The paper samples
+k = 5 draws per problem (Qwen3.5: greedy, k = 1): the runner's `sampling` and `draws`.
+
 Budgets (Appendix F): cache budgets are about 25% and 50% of the *average dense generation length*, i.e. the
 mean number of generated tokens per dense generation (prompt excluded), averaged over all problems and all k
 samples, then rounded to a clean size; `fraction_budgets` implements that rule.
@@ -27,6 +36,9 @@ from vdjax.eval.sample import Sample, read_jsonl
 
 TASKS = ("math500",)
 DEFAULT_LENGTH = 16384  # the dense max_new_tokens of most models in the paper's Table 10
+PAPER_PROBLEMS = 100  # Table 10: "n=100, first 100 problems"
+DEFAULT_SAMPLES = PAPER_PROBLEMS  # problems taken when num_samples is None
+METRIC = "grade_answer"  # the paper's scorer (prm800k grade_answer on the last \boxed{})
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 QUESTION = "\n" + INSTRUCTION
 DATA_FILES = ("math500.jsonl", "test.jsonl")
@@ -128,7 +140,7 @@ def fraction_budgets(
 
 def task_metric(task: str) -> str:
     """The metric of MATH-500's samples (for `vdjax rescore`)."""
-    return "math_equiv"
+    return METRIC
 
 
 def budget_rule(fractions: Sequence[float], dense_lengths: Sequence[float]) -> dict[float, int]:
@@ -161,9 +173,9 @@ def build(task: str, tokenizer=None, *, length: int, num_samples: int | None, se
     """MATH-500 samples: the first `num_samples` problems of the file, `max_new_tokens = length`.
 
     `length` is the dense generation budget (max_new_tokens, e.g. 16384 or 32768 in Appendix F).
-    `num_samples` takes the first n lines in file order (the paper uses the first 100); None takes all, more
-    than the file holds takes all. `seed` is recorded in `extra` only. `tokenizer` is unused (no truncation:
-    the prompts are short); it is accepted for the common builder signature.
+    `num_samples` takes the first n lines in file order; None takes the paper's first `PAPER_PROBLEMS` (100);
+    more than the file holds takes all. `seed` is recorded in `extra` only. `tokenizer` is unused (no
+    truncation: the prompts are short); it is accepted for the common builder signature.
     """
     if task not in TASKS:
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
@@ -171,7 +183,7 @@ def build(task: str, tokenizer=None, *, length: int, num_samples: int | None, se
     check_int("num_samples", num_samples, optional=True)
     path = data_path(data_dir)
     samples = []
-    for row in _read_rows(path, num_samples):
+    for row in _read_rows(path, PAPER_PROBLEMS if num_samples is None else num_samples):
         samples.append(Sample(
             id=str(row["unique_id"]),
             task=task,
@@ -179,7 +191,7 @@ def build(task: str, tokenizer=None, *, length: int, num_samples: int | None, se
             question=QUESTION,
             answers=(str(row["answer"]),),
             max_new_tokens=length,
-            metric="math_equiv",
+            metric=METRIC,
             chat_template=True,
             extra={"subject": row.get("subject"), "level": row.get("level"), "unique_id": row["unique_id"],
                    "seed": seed, "source": str(path)},

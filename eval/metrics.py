@@ -16,8 +16,11 @@ Fidelity to the official scorers:
   `sample.task` and applies to whichever LongBench metric the task uses. Official quirks kept for parity:
   `rouge` returns 0.0 when the `rouge` package raises (empty text, RecursionError on very long sentences);
   `classification` removes sub-string class matches while iterating over the same list.
-- MATH-500: the last `\\boxed{...}` (or `\\fbox{...}`, `\\boxed 5`) of the prediction against each reference
-  with `math_verify` (1.0 if equivalent, else 0.0; no box -> 0.0).
+- MATH-500: the last `\\boxed{...}` (or `\\fbox{...}`, `\\boxed 5`) of the prediction against each reference,
+  1.0 when any matches, 0.0 otherwise or when there is no box. `grade_answer` (the paper's scorer, Appendix
+  F) is openai/prm800k's `grade_answer` (`vdjax.eval.grader`); `math_equiv` is `math_verify`'s equivalence,
+  kept as a second opinion. Over the k draws of a problem, `math_at_k` gives the paper's flex@k, exact@k
+  and pass@k.
 
 Differences from the official code are only in error handling: where the official would crash with an
 IndexError/TypeError (a retrieval answer without a paragraph number, a classification sample without
@@ -36,6 +39,7 @@ import warnings
 from collections import Counter
 from typing import Callable, Iterable, Sequence
 
+from vdjax.eval import grader
 from vdjax.eval.math500 import extract_boxed
 from vdjax.eval.sample import Sample
 
@@ -318,6 +322,59 @@ def math_equiv(prediction: str, answers: Sequence[str], sample: Sample | None = 
     return 0.0
 
 
+def grade_answer(prediction: str, answers: Sequence[str], sample: Sample | None = None) -> float:
+    """1.0 when prm800k's `grade_answer` accepts the prediction's last \\boxed{...} for any reference, else 0.0."""
+    prediction, answers = _check(prediction, answers)
+    boxed = extract_boxed(prediction)
+    return float(boxed is not None and any(grader.grade_answer(boxed, ref) for ref in answers))
+
+
+def exact_match(prediction: str, answers: Sequence[str], sample: Sample | None = None) -> float:
+    """1.0 when the last \\boxed{...} equals a reference as a string after Hendrycks/prm800k normalisation."""
+    prediction, answers = _check(prediction, answers)
+    boxed = extract_boxed(prediction)
+    return float(boxed is not None and any(grader.exact_match(boxed, ref) for ref in answers))
+
+
+def has_answer(prediction: str) -> bool:
+    """The prediction has a non-empty last \\boxed{...} (Table 10's Empty% counts the generations without)."""
+    boxed = extract_boxed(prediction)
+    return boxed is not None and bool(boxed.strip())
+
+
+@functools.lru_cache(maxsize=65536)
+def _math_draw(boxed: str | None, answers: tuple[str, ...]) -> tuple[float, float, float]:
+    """(flex, exact, math_equiv) of one boxed answer, cached: many generations box the same answer."""
+    if boxed is None:
+        return 0.0, 0.0, 0.0
+    prediction = "\\boxed{" + boxed + "}"
+    return grade_answer(prediction, answers), exact_match(prediction, answers), math_equiv(prediction, answers)
+
+
+def math_draw(prediction: str, answers: Sequence[str]) -> dict[str, float]:
+    """One MATH generation's 0/1 scores: flex (grade_answer), exact (exact_match), math_equiv, and empty."""
+    prediction, answers = _check(prediction, answers)
+    boxed = extract_boxed(prediction)
+    flex, exact, equiv = _math_draw(boxed, answers)
+    return {"flex": flex, "exact": exact, "math_equiv": equiv, "empty": float(not has_answer(prediction))}
+
+
+def math_at_k(draws: Sequence[dict[str, float]]) -> dict[str, float]:
+    """A problem's scores over its k draws (`math_draw` dicts): the paper's Table 10 metrics.
+
+    flex@k = mean `grade_answer` accuracy over the k draws; pass@k = 1.0 when at least one draw is correct
+    (the paper's "score"); exact@k = mean exact match over the draws: the paper never defines it, so this
+    takes the mean of `exact_match` (the Hendrycks/prm800k-normalised strings are equal, no sympy);
+    math_equiv@k = mean `math_equiv`. With k = 1 (greedy), flex@1 = pass@1.
+    """
+    if not draws:
+        raise ValueError("draws must hold at least one generation's scores, got none")
+    k = len(draws)
+    return {"flex": sum(d["flex"] for d in draws) / k, "exact": sum(d["exact"] for d in draws) / k,
+            "pass": float(any(d["flex"] > 0 for d in draws)),
+            "math_equiv": sum(d["math_equiv"] for d in draws) / k}
+
+
 # ---------------------------------------------------------------------------------------------------- tables
 
 METRICS: dict[str, Metric] = {
@@ -333,6 +390,7 @@ METRICS: dict[str, Metric] = {
     "count": _longbench(_count, "count"),
     "code_sim": _longbench(_code_sim, "code_sim"),
     "math_equiv": math_equiv,
+    "grade_answer": grade_answer,
 }
 
 

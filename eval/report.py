@@ -10,6 +10,12 @@ both have (on complete results: the ratio of the two cells), "n/a" when dense sc
 policy of a row (highest retention; highest score where no retention exists) is bold in Markdown and named in
 the CSV's `best` column. A per-task table follows. Missing results show as "—" (empty in the CSV). A budget
 run as a fraction of the mean dense generation length (MATH-500) shows as "25% (N=256)".
+
+MATH-500 lines (benchmark math500, or metric grade_answer / math_equiv) get one more table in the paper's Table 10 / Table 3
+columns, per (model, policy, budget): flex@k, exact@k, pass@k and math_equiv@k (each a mean over problems of
+`metrics.math_at_k` over the problem's draws), average generated tokens, Empty% (no boxed answer) and Trunc%
+(stopped by max_new_tokens, the line's `truncated`) per generation, and the retention of flex@k in % of dense
+on the problems both have. It is also written to summary_math500.csv.
 """
 
 from __future__ import annotations
@@ -71,6 +77,8 @@ class Summary:
     png_path: Path
     settings: dict[tuple, dict] = dataclasses.field(default_factory=dict)  # (benchmark, protocol, length) ->
     warnings: list[str] = dataclasses.field(default_factory=list)
+    math_rows: list[MathRow] = dataclasses.field(default_factory=list)
+    math_csv_path: Path | None = None  # summary_math500.csv, when there are MATH-500 lines
 
 
 def retention(score: float | None, dense: float | None) -> float | None:
@@ -242,6 +250,161 @@ def _row(gm: tuple, task: str, budget, dense_all: dict, by_cfg: dict, policies: 
     return Row(*gm, task, budget, dense_cell, cells, best)
 
 
+# ---- MATH-500: the paper's Table 10 columns -------------------------------------------------------------
+MATH_METRICS = ("grade_answer", "math_equiv")  # lines scored on their last \boxed{} answer
+
+
+@dataclasses.dataclass
+class MathRow:
+    """MATH-500 under one policy at one budget (None = dense): Table 10's columns, over `problems` problems.
+
+    flex / exact / pass_ / math_equiv are means over problems of flex@k, exact@k, pass@k, math_equiv@k (0-1);
+    tokens, empty_pct and trunc_pct are per generation (None when no line records them); retention is flex@k
+    in % of dense on the `paired` problems both have (None when there are none or dense scores 0 there).
+    """
+
+    benchmark: str
+    protocol: str
+    length: int
+    model: str
+    policy: str
+    budget: int | None
+    fraction: float | None
+    problems: int
+    k: tuple[int, int]  # fewest and most draws of a problem
+    flex: float
+    exact: float
+    pass_: float
+    math_equiv: float
+    tokens: float | None
+    empty_pct: float
+    trunc_pct: float | None
+    retention: float | None = None
+    paired: int = 0
+    flex_by_problem: dict = dataclasses.field(default_factory=dict, repr=False)  # (task, sample_id) -> flex@k
+
+
+def is_math(record: dict) -> bool:
+    """A line scored on its boxed answer (MATH-500)."""
+    return record.get("metric") in MATH_METRICS or record.get("benchmark") == "math500"
+
+
+def _math_scores(record: dict) -> dict[str, float]:
+    """One line's flex / exact / math_equiv / empty; the stored score stands in for its own metric."""
+    from vdjax.eval.metrics import math_draw
+
+    out = math_draw(record["prediction"], record["answers"])
+    if record.get("metric") == "grade_answer":
+        out["flex"] = float(record["score"])
+    elif record.get("metric") == "math_equiv":
+        out["math_equiv"] = float(record["score"])
+    return out
+
+
+def _percent(flags: list) -> float | None:
+    """100 x the share of true flags; None for no flags."""
+    return 100.0 * sum(map(bool, flags)) / len(flags) if flags else None
+
+
+def _math_row(key: tuple, lines: list[dict], fraction: float | None) -> MathRow:
+    """The MathRow of one (benchmark, protocol, length, model, policy, budget) from its lines."""
+    from vdjax.eval.metrics import math_at_k
+
+    draws: dict[tuple, list[dict]] = {}  # (task, sample_id) -> that problem's draws' scores
+    for r in lines:
+        draws.setdefault((r["task"], r["sample_id"]), []).append(_math_scores(r))
+    at_k = {p: math_at_k(d) for p, d in draws.items()}
+
+    def mean_of(metric: str) -> float:
+        return sum(v[metric] for v in at_k.values()) / len(at_k)
+
+    counts = [len(d) for d in draws.values()]
+    return MathRow(*key, fraction=fraction, problems=len(draws), k=(min(counts), max(counts)),
+                   flex=mean_of("flex"), exact=mean_of("exact"), pass_=mean_of("pass"),
+                   math_equiv=mean_of("math_equiv"),
+                   tokens=_mean(r["new_tokens"] for r in lines if r.get("new_tokens") is not None),
+                   empty_pct=_percent([s["empty"] for d in draws.values() for s in d]),
+                   trunc_pct=_percent([r["truncated"] for r in lines if r.get("truncated") is not None]),
+                   flex_by_problem={p: v["flex"] for p, v in at_k.items()})
+
+
+def _math_retention(row: MathRow, dense: MathRow | None) -> None:
+    """Set row.retention: flex@k in % of dense flex@k on the problems both have."""
+    if dense is None or row is dense:
+        return
+    both = [p for p in row.flex_by_problem if p in dense.flex_by_problem]
+    row.paired = len(both)
+    if both:
+        row.retention = retention(_mean(row.flex_by_problem[p] for p in both),
+                                  _mean(dense.flex_by_problem[p] for p in both))
+
+
+def math_rows(records: list[dict]) -> list[MathRow]:
+    """One MathRow per (benchmark, protocol, length, model, policy, budget) of the MATH-500 lines; dense first."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        if is_math(r):
+            budget = None if r["policy"] == "dense" else r["budget"]
+            groups.setdefault((r["benchmark"], r["protocol"], r["length"], r["model"], r["policy"], budget),
+                              []).append(r)
+    order = {p: i for i, p in enumerate(["dense"] + _policy_order(k[4] for k in groups))}
+    rows = []
+    for key in sorted(groups, key=lambda k: (k[:4], k[5] is not None, k[5] or 0, order[k[4]])):
+        fr = {r.get("budget_fraction") for r in groups[key]} - {None}
+        rows.append(_math_row(key, groups[key], next(iter(fr)) if len(fr) == 1 else None))
+    dense = {_model_of(r): r for r in rows if r.policy == "dense"}
+    for r in rows:
+        _math_retention(r, dense.get(_model_of(r)))
+    return rows
+
+
+def _model_of(row: MathRow) -> tuple:
+    """(benchmark, protocol, length, model) of a row: the rows that share a dense reference."""
+    return row.benchmark, row.protocol, row.length, row.model
+
+
+MATH_HEADER = ("model", "policy", "budget", "problems", "k", "flex@k", "exact@k", "pass@k", "math_equiv@k",
+               "avg tokens", "Empty %", "Trunc %", "retention (flex@k)")
+
+
+def math_cells(row: MathRow) -> list[str]:
+    """A MathRow as the texts of MATH_HEADER's columns."""
+    k = str(row.k[0]) if row.k[0] == row.k[1] else f"{row.k[0]}–{row.k[1]}"
+    budget = MISSING if row.budget is None else _budget_text(row)
+    ret = MISSING if row.policy == "dense" or not row.paired else (
+        "n/a" if row.retention is None else f"{row.retention:.1f}%")
+    return [row.model, row.policy, budget, str(row.problems), k, f"{row.flex:.3f}", f"{row.exact:.3f}",
+            f"{row.pass_:.3f}", f"{row.math_equiv:.3f}", MISSING if row.tokens is None else f"{row.tokens:.0f}",
+            f"{row.empty_pct:.1f}", _fmt(row.trunc_pct), ret]
+
+
+def _math_markdown(rows: list[MathRow]) -> list[str]:
+    """The MATH-500 table of one (benchmark, protocol, length), as Markdown lines."""
+    note = ("MATH-500 in the paper's Table 10 / Table 3 columns: flex@k = mean grade_answer (prm800k) accuracy "
+            "over a problem's k draws, exact@k = mean exact match of the normalised answer (undefined in the "
+            "paper; here Hendrycks/prm800k normalisation, string equality), pass@k = 1 if any draw is correct, "
+            "math_equiv@k = mean math_verify equivalence; tokens, Empty % (no \\boxed{} answer) and Trunc % "
+            "(hit max_new_tokens) per generation; retention = flex@k in % of dense.\n")
+    out = [note, "| " + " | ".join(MATH_HEADER) + " |", "|---|---|" + "---:|" * (len(MATH_HEADER) - 2)]
+    out += ["| " + " | ".join(math_cells(r)) + " |" for r in rows]
+    return out + [""]
+
+
+def _write_math_csv(path: Path, rows: list[MathRow]) -> None:
+    """summary_math500.csv: one line per MathRow, numbers unrounded."""
+    header = ["benchmark", "protocol", "length", "model", "policy", "budget", "budget_fraction", "problems",
+              "k_min", "k_max", "flex_at_k", "exact_at_k", "pass_at_k", "math_equiv_at_k", "avg_tokens",
+              "empty_pct", "trunc_pct", "retention_flex", "paired"]
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        for r in rows:
+            w.writerow([r.benchmark, r.protocol, r.length, r.model, r.policy, "" if r.budget is None else r.budget,
+                        "" if r.fraction is None else r.fraction, r.problems, *r.k, _num(r.flex), _num(r.exact),
+                        _num(r.pass_), _num(r.math_equiv), _num(r.tokens), _num(r.empty_pct), _num(r.trunc_pct),
+                        _num(r.retention), r.paired])
+
+
 # ---- writers ----------------------------------------------------------------------------------------------
 def _fmt(x: float | None) -> str:
     return MISSING if x is None else f"{x:.1f}"
@@ -279,8 +442,8 @@ def _budget_text(row: Row) -> str:
 
 
 def _markdown(rows: list[Row], task_rows: list[Row], policies: list[str], settings: dict[tuple, dict],
-              warnings: list[str]) -> str:
-    """summary.md: per (benchmark, protocol, length) the overall table, then the per-task table."""
+              warnings: list[str], maths: list[MathRow] = ()) -> str:
+    """summary.md: per (benchmark, protocol, length) the overall table, the per-task table, the MATH-500 one."""
     cols = ["dense"] + policies
     out = [f"> warning: {w}\n" for w in warnings]
     groups = sorted({(r.benchmark, r.protocol, r.length) for r in rows})
@@ -302,6 +465,9 @@ def _markdown(rows: list[Row], task_rows: list[Row], policies: list[str], settin
             out.append(f"| {r.model} | {r.task} | {_budget_text(r)} | "
                        + " | ".join(cell_text(r, c) for c in cols) + " |")
         out.append("")
+        mine = [m for m in maths if (m.benchmark, m.protocol, m.length) == g]
+        if mine:
+            out += _math_markdown(mine)
     out.append("Retention compares each policy with dense on the samples both have; n/a: dense scores 0 "
                f"there; {MISSING}: no results yet.")
     return "\n".join(out) + "\n"
@@ -377,12 +543,17 @@ def summarize(pred_file_or_dir: str | os.PathLike) -> Summary:
     records, folder = load_records(pred_file_or_dir, warnings)
     settings = _settings(records, warnings)
     rows, task_rows, policies = _rows(records)
-    markdown = _markdown(rows, task_rows, policies, settings, warnings)
+    maths = math_rows(records)
+    markdown = _markdown(rows, task_rows, policies, settings, warnings, maths)
     md_path, csv_path, png_path = folder / "summary.md", folder / "summary.csv", folder / "retention.png"
     md_path.write_text(markdown)
     _write_csv(csv_path, rows + task_rows, policies)
     _plot(png_path, rows, policies)
-    return Summary(rows, task_rows, policies, markdown, md_path, csv_path, png_path, settings, warnings)
+    math_csv = folder / "summary_math500.csv" if maths else None
+    if math_csv is not None:
+        _write_math_csv(math_csv, maths)
+    return Summary(rows, task_rows, policies, markdown, md_path, csv_path, png_path, settings, warnings,
+                   maths, math_csv)
 
 
 def rich_tables(summary: Summary) -> list:
@@ -402,4 +573,19 @@ def rich_tables(summary: Summary) -> list:
             t.add_row(r.model, _budget_text(r),
                       *(cell_text(r, c, ("[bold green]", "[/]")) for c in cols))
         tables.append(t)
+        maths = [m for m in summary.math_rows if (m.benchmark, m.protocol, m.length) == g]
+        if maths:
+            tables.append(_math_rich(g, maths))
     return tables
+
+
+def _math_rich(g: tuple, rows: list[MathRow]):
+    """The MATH-500 table of one (benchmark, protocol, length) as a rich Table."""
+    from rich.table import Table
+
+    t = Table(title=f"{g[0]} — protocol {g[1]}, length {g[2]}: Table 10 columns (retention = % of dense flex@k)")
+    for i, name in enumerate(MATH_HEADER):
+        t.add_column(name, justify="left" if i < 2 else "right")
+    for r in rows:
+        t.add_row(*math_cells(r))
+    return t

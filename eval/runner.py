@@ -228,6 +228,10 @@ def check_run(params, benchmark, *, model_name, policies, budgets, length, num_s
     if template_kwargs is not None and not isinstance(template_kwargs, Mapping):
         raise TypeError(f"template_kwargs must be a dict of chat-template switches, got {template_kwargs!r}")
     sampling, draws = _check_sampling(sampling, draws)
+    if num_samples is None:  # the benchmark's own default (MATH-500: the paper's first 100 problems)
+        num_samples = getattr(module, "DEFAULT_SAMPLES", None)
+        if num_samples is None:
+            raise ValueError(f"num_samples=None: benchmark {name!r} declares no DEFAULT_SAMPLES; give a number")
     return Spec(name, module, check_name("model_name", model_name), check_int("length", length),
                 check_int("num_samples", num_samples), seed, protocol, check_int("block_size", block_size),
                 check_int("batch_size", batch_size), tasks, pols, budgets,

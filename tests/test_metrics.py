@@ -27,7 +27,7 @@ def _sample(task="custom", metric="qa_f1", answers=("x",), **extra) -> Sample:
 def test_metric_names():
     assert set(METRICS) == {
         "string_match_all", "string_match_part", "qa_f1", "qa_f1_zh", "rouge", "rouge_zh", "classification",
-        "retrieval", "retrieval_zh", "count", "code_sim", "math_equiv",
+        "retrieval", "retrieval_zh", "count", "code_sim", "math_equiv", "grade_answer",
     }
 
 
