@@ -134,7 +134,7 @@ def test_capture_matches_dense_cache_and_analyze_aggregates(tmp_path):
     back = G.Geometry.from_json(json.loads(json.dumps(geo.to_json())))
     for name in geo.heads:
         np.testing.assert_allclose(back.heads[name], geo.heads[name])
-    assert back.aggregate() == pytest.approx(agg)
+    assert back.aggregate() == pytest.approx(agg, nan_ok=True)  # learned_sink: NaN without learned sinks
 
 
 def test_analyze_rejects_bad_input():
