@@ -131,6 +131,10 @@ class KVCache:
         """Bytes held by the cache arrays (DeltaNet states included)."""
         return sum(x.nbytes for x in jax.tree.leaves(self.layers))
 
+    def dense_nbytes(self, tokens: int) -> int:
+        """Bytes a dense cache of `tokens` tokens would hold: keys and values of every attention layer."""
+        return int(sum((c.k.nbytes + c.v.nbytes) / c.pos.shape[-1] for c in self._kv()) * tokens)
+
 
 def rank_keys(scores: jax.Array, pos: jax.Array) -> jax.Array:
     """Scores made eviction-ready: invalid candidates -inf, NaN -> -inf, fp32."""

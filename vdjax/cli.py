@@ -238,7 +238,7 @@ def _print_run(args, params, gen, prompt_len: int, times: tuple, mesh) -> None:
     new = int(gen.tokens.shape[1])
     lo, hi, n = cache_slots(gen)
     seen = prompt_len + new - 1  # the last token is sampled, never cached
-    dense_bytes = gen.cache.nbytes() / n * seen
+    dense_bytes = gen.cache.dense_nbytes(seen)
     cfg = params.config
     print(f"model               {args.model} ({cfg.num_layers} layers x {cfg.num_kv_heads} KV heads, "
           f"{params.dtype.name})")

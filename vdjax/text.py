@@ -66,8 +66,6 @@ def answer(params, tokenizer, context: str, question: str = "", policy: str = "v
     tokens = gen.tokens[0]
     counts = np.asarray(gen.cache.valid_counts())
     seen = len(ctx) + len(q) + len(tokens) - 1  # the last sampled token is never cached
-    kv = [gen.cache[i] for i in gen.cache.attention_layers]
-    per_token = sum((lc.k.nbytes + lc.v.nbytes) / lc.pos.shape[-1] for lc in kv)
     return Answer(tokenizer.decode(list(tokens), skip_special_tokens=True).strip(), tokens, len(ctx), len(q),
                   gen.cache.budget, (int(counts.min()), int(counts.max())), gen.cache.nbytes(),
-                  int(per_token * seen), gen.prefill_s, gen.decode_s, gen)
+                  gen.cache.dense_nbytes(seen), gen.prefill_s, gen.decode_s, gen)
