@@ -79,6 +79,27 @@ def _check_plain_float(model, torch) -> None:
         raise ValueError(f"GGUF model still has quantized or non-float32 parts after loading: {bad[:10]}")
 
 
+@contextlib.contextmanager
+def _one_reader():
+    """Parse each GGUF file once inside the block: transformers opens a new `gguf.GGUFReader` for the config,
+    the weights and the tokenizer, and each parse of Gemma3's 262k-token vocabulary takes ~16 s here."""
+    import gguf
+
+    opened, original = {}, gguf.GGUFReader
+
+    def reader(path, mode="r"):
+        key = (str(Path(path).resolve()), mode)
+        if key not in opened:
+            opened[key] = original(path, mode)
+        return opened[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
+
+
 def gguf_to_hf(gguf_path: str | Path, out_dir: str | Path, overwrite: bool = False) -> Path:
     """Convert a GGUF file into an HF safetensors checkpoint folder (model, tokenizer, generation config)."""
     torch = _require_torch()
@@ -98,8 +119,9 @@ def gguf_to_hf(gguf_path: str | Path, out_dir: str | Path, overwrite: bool = Fal
         tmp.chmod(0o755)  # mkdtemp makes it private; the finished folder is an ordinary one
         try:
             folder, name = str(gguf_path.parent), gguf_path.name
-            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+            with _one_reader():
+                model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+                tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
             _check_plain_float(model, torch)
             # The weights are plain float32 now; these flags alone make save_pretrained refuse the model.
             model.hf_quantizer = None

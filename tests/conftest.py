@@ -7,6 +7,10 @@ from pathlib import Path
 
 import pytest
 
+# vdjax.generate turns the persistent compile cache on; the suite keeps JAX's process-wide setting off (a test
+# that wants it sets VDJAX_COMPILE_CACHE itself, e.g. in a subprocess)
+os.environ.setdefault("VDJAX_COMPILE_CACHE", "0")
+
 
 def _converted(name: str, tmp_path_factory) -> Path:
     """A registered model converted once per session (GGUF -> HF folder) under $VDJAX_CACHE or a pytest tmp dir."""

@@ -160,6 +160,19 @@ def _add_model_args(p, default: str = "smollm2-135m") -> None:
                    help="weight dtype (default: float32 on CPU, the checkpoint's dtype on GPU/TPU)")
 
 
+def _add_layer_scan(p, auto: str) -> None:
+    """--layer-scan auto|on|off; `auto` is documented per command."""
+    p.add_argument("--layer-scan", choices=("auto", "on", "off"), default="auto",
+                   help=f"scan over layers (compiles ~2.4x faster on CPU, runs 10-20 %% slower there) or unroll "
+                        f"them; auto: {auto}")
+
+
+def _layer_scan(args, one_shot: bool) -> bool | None:
+    """The layer_scan argument of --layer-scan: auto = scan for a one-shot command (each program runs once, so
+    compiling dominates), else the backend's default (`pipeline.default_layer_scan`)."""
+    return {"on": True, "off": False}.get(args.layer_scan, True if one_shot else None)
+
+
 def cache_slots(gen) -> tuple[int, int, int]:
     """(min, max) valid slots per head over layers, rows and heads, and the slots per head N."""
     import numpy as np
@@ -225,7 +238,8 @@ def cmd_generate(args) -> int:
     gen, ttft, decode_s, compile_s = timed_run(
         params, ids, policy, None if policy.is_dense else args.budget, block_size=args.block_size,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        key=jax.random.key(args.seed), mesh=mesh, question=q if agnostic else None, **dict(args.policy_arg))
+        key=jax.random.key(args.seed), mesh=mesh, question=q if agnostic else None,
+        layer_scan=_layer_scan(args, one_shot=True), **dict(args.policy_arg))
     print(_answer(tokenizer, gen.tokens[0]).strip())
     print()
     _print_run(args, params, gen, len(ctx) + len(q), (ttft, decode_s, compile_s), mesh)
@@ -279,7 +293,7 @@ def cmd_demo(args) -> int:
     enable_compile_cache()
     policies = names or (default_policies() if args.all else list(demo.POLICIES))
     demo.run_demo(models, policies, length=args.length, block=args.block_size, max_new=args.max_new_tokens,
-                  seed=args.seed, budget=args.budget)
+                  seed=args.seed, budget=args.budget, layer_scan=_layer_scan(args, one_shot=True))
     return 0
 
 
@@ -616,6 +630,7 @@ def _add_generate(sub) -> None:
         metavar="KEY=VALUE",
         help="policy hyper-parameter, e.g. n_sink=8 (repeatable)",
     )
+    _add_layer_scan(g, "on (one prompt: compiling dominates)")
     g.set_defaults(func=cmd_generate)
 
 
@@ -631,6 +646,7 @@ def _add_demo(sub) -> None:
     d.add_argument("--all", action="store_true", help="every registered policy")
     d.add_argument("--max-new-tokens", type=_POSITIVE, default=12)
     d.add_argument("--seed", type=int, default=0)
+    _add_layer_scan(d, "on (every program runs once: compiling dominates)")
     d.set_defaults(func=cmd_demo)
 
 

@@ -24,6 +24,7 @@ import numpy as np
 from vdjax.cache import (KVCache, LayerCache, block_destinations, keep_mask, scatter_slots, select_slots,
                          single_destination)
 from vdjax.checks import check_int
+from vdjax.compilation import enable_compile_cache
 from vdjax.models import transformer as tf
 from vdjax.models.deltanet import LinearState
 from vdjax.models.params import Params
@@ -436,9 +437,11 @@ class Plan:
 
 def plan(params, ids, policy, budget, block_size, extra_tokens=0, attention_mask=None, layer_scan=None,
          **policy_kwargs) -> Plan:
-    """Check the arguments and fix the shapes (bucketed) of a prefill/generate call."""
+    """Check the arguments and fix the shapes (bucketed) of a prefill/generate call; turns the persistent
+    compile cache on (`enable_compile_cache`: VDJAX_COMPILE_CACHE=0 keeps it off)."""
     if not isinstance(params, Params):
         raise TypeError(f"params must be vdjax Params (from vdjax.load), got {type(params).__name__}")
+    enable_compile_cache()
     pol = get_policy(policy)
     hyper = pol.bind_hyper(params, pol.hyper(**policy_kwargs))
     block_size = check_int("block_size", block_size)
