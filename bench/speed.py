@@ -62,21 +62,27 @@ def compile_worker(model: str, policy: str, length: int, budget: int, scan: bool
     kw = dict(block_size=128, max_new_tokens=16, eos_token_id=[], **_scan_kw(scan))
     budget = None if policy == "dense" else budget
     t = time.perf_counter()
-    _, ttft, decode_s, compile_s = timed_run(params, ids, policy, budget, **kw)
+    compile_s = timed_run(params, ids, policy, budget, **kw)[3]
     wall = time.perf_counter() - t
     t = time.perf_counter()
     timed_run(params, ids, policy, budget, **kw)
     return {"policy": policy, "compile_s": compile_s, "wall_s": wall, "warm_s": time.perf_counter() - t}
 
 
+_COMPILED: dict[tuple, dict | str] = {}  # (model, policy, scan) -> the worker's result: sections share it
+
+
 def _compile_run(a, policy: str, scan: bool) -> dict | str:
-    cmd = [sys.executable, __file__, "--worker", "compile", "--model", a.model, "--policy", policy]
-    proc = subprocess.run(cmd + (["--layer-scan"] if scan else []), capture_output=True, text=True,
-                          env=os.environ | {"VDJAX_COMPILE_CACHE": "0"})
-    found = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if not found:
-        return "failed: " + " | ".join(proc.stderr.strip().splitlines()[-2:])
-    return json.loads(found[0][7:])
+    """`compile_worker` in a fresh process (once per model, policy and layer form in this run)."""
+    key = (a.model, policy, scan)
+    if key not in _COMPILED:
+        cmd = [sys.executable, __file__, "--worker", "compile", "--model", a.model, "--policy", policy]
+        proc = subprocess.run(cmd + (["--layer-scan"] if scan else []), capture_output=True, text=True,
+                              env=os.environ | {"VDJAX_COMPILE_CACHE": "0"})
+        found = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        _COMPILED[key] = (json.loads(found[0][7:]) if found
+                          else "failed: " + " | ".join(proc.stderr.strip().splitlines()[-2:]))
+    return _COMPILED[key]
 
 
 def compile_section(a) -> list[str]:
@@ -215,7 +221,7 @@ def scan_section(a, params, tok) -> list[str]:
         comp = c if isinstance(c, str) else f"{c['compile_s']:.1f}"
         kw = _scan_kw(scan)
 
-        def go():
+        def go(kw=kw):
             _, logits = vdjax.prefill(params, ids, "valuediff", a.budget, 128, **kw)
             logits.block_until_ready()
         go()
