@@ -33,9 +33,9 @@ def tiny_dir(tmp_path_factory):
 def test_analyze_writes_tables_figures_and_weights_used_by_name(tiny_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("VDJAX_COMPILE_CACHE", "0")
     out = tmp_path / "geo"
-    args = ["analyze", "--model", str(tiny_dir), "--out", str(out), "--length", "96", "--per-category", "1",
+    args = ["analyze", "--model", str(tiny_dir), "--out", str(out), "--length", "256", "--per-category", "1",
             "--topk", "8", "--n-queries", "6", "--jaccard-prompts", "2", "--fit", "--budget", "16",
-            "--block-size", "32", "--fit-prompts", "2", "--fit-steps", "3"]
+            "--block-size", "32", "--fit-prompts", "2", "--fit-steps", "3", "--select-probes", "2"]
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert "KV geometry of" in printed and "held-out attention-output error" in printed
@@ -50,7 +50,7 @@ def test_analyze_writes_tables_figures_and_weights_used_by_name(tiny_dir, tmp_pa
 
     geo = json.loads((folder / "geometry.json").read_text())
     assert [p["category"] for p in geo["prompts"]] == ["narrative", "qa", "code", "math", "retrieval"]
-    assert all(p["tokens"] == 96 for p in geo["prompts"]) and geo["settings"]["jaccard_prompts"] == 2
+    assert all(p["tokens"] == 256 for p in geo["prompts"]) and geo["settings"]["jaccard_prompts"] == 2
     sk, sv = np.array(geo["heads"]["sigma_k"]), np.array(geo["heads"]["sigma_v"])
     assert sk.shape == (3, 2) and geo["aggregate"]["ratio"] == pytest.approx(sv.mean() / sk.mean())
     with open(folder / "layers.csv") as f:
@@ -62,7 +62,15 @@ def test_analyze_writes_tables_figures_and_weights_used_by_name(tiny_dir, tmp_pa
 
     fitted = json.loads((folder / "hybrid-fitted.json").read_text())
     assert fitted["format"] == "vdjax-hybrid/1" and np.array(fitted["weights"]).shape == (3, 2)
-    assert set(fitted["held_out_error_per_layer"]) == {"fitted", "geometry", "valuediff", "keydiff"}
+    assert set(fitted["held_out_error_per_layer"]) == {"fitted", "geometry", "valuediff", "keydiff", "even"}
+    nll = fitted["selection"]["nll"]  # the end-to-end selection: the saved mix is the lowest-NLL candidate
+    assert set(nll) == {"fitted", "geometry", "valuediff", "keydiff", "even", "dense"}
+    assert fitted["selected"] == fitted["chosen"] == min([k for k in nll if k != "dense"], key=nll.get)  # ties: first
+    expect = {"valuediff": 1.0, "keydiff": 0.0, "even": 0.5}.get(fitted["chosen"])
+    want = np.array(fitted["per_layer_fit"]) if fitted["chosen"] == "fitted" else expect
+    if want is not None:
+        np.testing.assert_allclose(fitted["weights"], np.broadcast_to(want, (3, 2)))
+    assert "End-to-end selection at N=16" in (folder / "summary.md").read_text()
     # saved next to the checkpoint: "hybrid" by name uses the fitted weights
     assert (tiny_dir / "vdjax-hybrid" / "fitted.json").is_file()
     params = vdjax.load(tiny_dir)

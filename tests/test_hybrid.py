@@ -226,3 +226,27 @@ def test_fitted_weights_beat_the_better_endpoint_on_a_held_out_prompt():
     errs = info_layer["relative_error"]
     chosen = info_layer["chosen"][0]
     assert sum(errs[chosen]) <= min(sum(errs["valuediff"]), sum(errs["keydiff"]))
+
+
+def test_select_keeps_the_lowest_answer_nll_and_its_endpoints_are_the_policies():
+    """`select` scores each mix by teacher-forced answer NLL under eviction; mix 1 / 0 give exactly ValueDiff's /
+    KeyDiff's NLL (the same kept tokens), and the winner is the argmin."""
+    from helpers import tiny_tokenizer
+    from vdjax.calibration import retrieval_probes
+
+    tok = tiny_tokenizer(chat=False)
+    params = random_params(tiny_config(vocab_size=len(tok)), seed=2)
+    probes = retrieval_probes(tok, 256, 2)
+    assert all(tok.decode(list(p.answer)).strip().isdigit() and len(p.ids) == 256 for p in probes)
+    cfg = params.config
+    cands = {"valuediff": np.ones((cfg.num_layers, cfg.num_kv_heads)),
+             "keydiff": np.zeros((cfg.num_layers, cfg.num_kv_heads)), "even": np.full((2, 2), 0.5)}
+    best, nll = HY.select(params, probes, cands, budget=48, block=32, layer_scan=False)
+    assert best == min(cands, key=nll.get) and "dense" in nll
+    for name in ("valuediff", "keydiff"):
+        lp = vdjax.continuation_logprobs(params, [list(p.ids) for p in probes], [list(p.answer) for p in probes],
+                                         name, 48, 32)
+        assert nll[name] == pytest.approx(-lp.mean(), rel=1e-6)
+    assert len({round(v, 6) for v in nll.values()}) > 1  # the budget bites: the mixes differ
+    with pytest.raises(ValueError, match="at least one candidate"):
+        HY.select(params, probes, {}, budget=48)

@@ -248,3 +248,30 @@ def test_min_new_tokens_masks_eos(model, prompts, dense_tokens):
     assert out.tokens[0, 0] != first and first not in out.tokens[0, :2].tolist()
     with pytest.raises(ValueError, match="min_new_tokens"):
         vdjax.run(model, prompts[0], "valuediff", budget=8, max_new_tokens=2, min_new_tokens=3)
+
+
+def test_continuation_logprobs_dense_are_the_plain_forward(model, prompts):
+    """Dense teacher forcing: log-softmax of a plain forward over prompt + continuation, position by position."""
+    cont = random_ids(6, model.config.vocab_size, 7)
+    ids = prompts[0][None]
+    got = vdjax.continuation_logprobs(model, ids, list(cont), "dense", block_size=16)
+    full = np.concatenate([ids[0], cont])[None]
+    logits = np.asarray(tf.forward(model, jnp.asarray(full)), np.float64)[0, len(ids[0]) - 1 : -1]  # [C, V]
+    ref = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+    np.testing.assert_allclose(got[0], ref[np.arange(6), cont], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["valuediff", "tova", "h2o"])
+def test_continuation_logprobs_follow_decode_eviction(model, prompts, name):
+    """Under eviction, teacher forcing the greedy output reproduces decode: at step j every vocabulary token,
+    fed after the greedy prefix, gets a distribution summing to one whose argmax is the greedy token."""
+    budget, j = 24, 3
+    greedy = vdjax.generate(model, prompts[0][None], name, budget, block_size=8, max_new_tokens=NEW)[0]
+    v = model.config.vocab_size
+    conts = np.tile(greedy[: j + 1], (v, 1))
+    conts[:, j] = np.arange(v)  # row t: the greedy prefix, then token t at step j
+    lp = vdjax.continuation_logprobs(model, np.tile(prompts[0], (v, 1)), [list(r) for r in conts], name, budget,
+                                     block_size=8)
+    np.testing.assert_allclose(np.exp(lp[:, j].astype(np.float64)).sum(), 1.0, rtol=1e-4)
+    assert int(np.argmax(lp[:, j])) == int(greedy[j])
+    np.testing.assert_allclose(lp[:, :j], np.tile(lp[:1, :j], (v, 1)), rtol=1e-5, atol=1e-6)  # same prefix

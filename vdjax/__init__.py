@@ -8,13 +8,14 @@
 
 from vdjax import hybrid as _hybrid  # noqa: F401  (registers the "hybrid" policy)
 from vdjax.cache import KVCache, LayerCache, keep_mask, topk_gather
-from vdjax.pipeline import Generation, generate, prefill, run
+from vdjax.pipeline import Generation, continuation_logprobs, generate, prefill, run
 from vdjax.policies import POLICIES, AttnInfo, Policy, combine, get_policy, protect_recent, protect_sinks, register
 from vdjax.sharding import make_mesh, shard_params
 from vdjax.text import Answer, answer
 
 __all__ = [
-    "Answer", "answer", "AttnInfo", "Generation", "KVCache", "LayerCache", "POLICIES", "Policy", "combine", "generate", "get_policy",
+    "Answer", "answer", "AttnInfo", "Generation", "KVCache", "LayerCache", "POLICIES", "Policy", "combine",
+    "continuation_logprobs", "generate", "get_policy",
     "keep_mask", "load", "load_tokenizer", "make_mesh", "prefill", "protect_recent", "protect_sinks", "register",
     "run", "shard_params", "topk_gather",
 ]

@@ -203,7 +203,8 @@ def _scatter(rows: list[dict], path: Path) -> None:
 def analyze_model(model: str, out: str | os.PathLike, *, prompts_file: str | None = None, length: int = 2048,
         per_category: int = 4, tau: float = G.TAU, topk: int = G.TOPK, n_queries: int = G.N_QUERIES,
         jaccard_prompts: int = 8, fit: bool = False, budget: int = 256, block_size: int = 128,
-        fit_prompts: int = 4, fit_steps: int = 60, per_head: bool = False, save_to_model: bool = True,
+        fit_prompts: int = 4, fit_steps: int = 60, per_head: bool = False, select_probes: int = 8,
+        save_to_model: bool = True,
         console=None, dtype=None, revision: str | None = None) -> dict[str, Any]:
     """Analyse `model` into OUT/<model>/, write hybrid mixes (geometry rule; fitted with `fit`), refresh
     OUT's all-models table and scatter. Returns {"geometry": Geometry, "paths": {...}, "hybrid": {...}}."""
@@ -240,21 +241,36 @@ def analyze_model(model: str, out: str | os.PathLike, *, prompts_file: str | Non
         say(f"fit the hybrid mix on {n_fit} prompts (N={budget}, B={block_size}, {fit_steps} Adam steps per layer)")
         w_fit, fit_info = HY.fit(params, ids[:n_fit], budget=budget, block=block_size, per_head=per_head,
                                  w0=w_geo, steps=fit_steps, progress=console is not None)
-        hyb["fitted"] = w_fit
-        errors = HY.held_out_error(params, [held], {"fitted": w_fit, "geometry": w_geo,
-                                                    "valuediff": np.ones_like(w_fit), "keydiff": np.zeros_like(w_fit)},
-                                   budget=budget, block=block_size)
+        candidates = HY.uniform_candidates(w_fit, w_geo)
+        errors = HY.held_out_error(params, [held], candidates, budget=budget, block=block_size)
         hyb["held_out_error"] = {k: float(np.nanmean(v)) for k, v in errors.items()}  # attention layers
         fit_meta = {"per_head": per_head, "budget": budget, "block_size": block_size, "steps": fit_steps,
                     "fit_prompts": [p.name for p in prompts[:n_fit]], "held_out": prompts[n_fit].name,
                     "held_out_error_per_layer": {k: [None if not np.isfinite(x) else float(x) for x in v]
-                                                 for k, v in errors.items()}, "layers": fit_info}
-        paths["hybrid-fitted"] = HY.save_mix(folder / "hybrid-fitted.json", w_fit, method="fitted", model=name,
-                                             info=fit_meta)
-        extra += (f"\nfitted (N={budget}, B={block_size}, on {n_fit} prompts): {HY.describe(w_fit)}\n\n"
+                                                 for k, v in errors.items()}, "layers": fit_info,
+                    "per_layer_fit": w_fit.tolist()}
+        extra += (f"\nper-layer fit (N={budget}, B={block_size}, on {n_fit} prompts): {HY.describe(w_fit)}\n\n"
                   f"Attention-output error of block eviction on the held-out prompt {prompts[n_fit].name!r} "
                   f"(relative, mean over layers):\n\n| mix | error |\n|---|---|\n"
                   + "".join(f"| {k} | {v:.4f} |\n" for k, v in hyb["held_out_error"].items()))
+        chosen = "fitted"
+        if select_probes:
+            from vdjax.calibration import retrieval_probes
+
+            probes = retrieval_probes(tok, length, select_probes)
+            say(f"select the mix end to end: answer NLL of {len(probes)} retrieval probes under eviction at "
+                f"N={budget} for {', '.join(candidates)}")
+            chosen, nll = HY.select(params, probes, candidates, budget=budget, block=block_size)
+            hyb["selection"] = nll
+            fit_meta.update({"selection": {"probes": [p.name for p in probes], "objective": "answer NLL, nats "
+                             "per token (teacher-forced, per-token eviction)", "nll": nll}, "selected": chosen})
+            extra += (f"\nEnd-to-end selection at N={budget}: answer NLL (nats per token) of {len(probes)} "
+                      f"retrieval probes; kept **{chosen}**:\n\n| mix | NLL |\n|---|---|\n"
+                      + "".join(f"| {k} | {v:.4f} |\n" for k, v in nll.items()))
+        hyb["fitted"] = w_fit = candidates[chosen]
+        fit_meta["chosen"] = chosen
+        paths["hybrid-fitted"] = HY.save_mix(folder / "hybrid-fitted.json", w_fit, method="fitted", model=name,
+                                             info=fit_meta)
     if save_to_model and params.source is not None:
         for method in hyb.keys() & set(HY.METHODS):
             target = HY.mix_path(params, method)

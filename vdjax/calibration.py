@@ -380,6 +380,34 @@ def _fit_prompt(tokenizer, category: str, index: int, length: int) -> tuple[int,
         min_chars *= 2
 
 
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """A retrieval prompt with its known answer: ids end in "Answer:", answer the value's ids (" 1234567")."""
+
+    name: str
+    ids: tuple[int, ...]
+    answer: tuple[int, ...]
+
+
+def retrieval_probes(tokenizer, length: int = 2048, count: int = 8, first: int = 0) -> list[Probe]:
+    """`count` retrieval prompts of exactly `length` tokens (indices first, first + 1, ...) with the value
+    the question asks for: a likelihood target for comparing eviction settings end to end."""
+    check_int("length", length, 1)
+    check_int("count", count, 1)
+    check_int("first", first, 0)
+    probes = []
+    for i in range(first, first + count):
+        ids = _fit_prompt(tokenizer, "retrieval", i, length)
+        text = tokenizer.decode(list(ids))
+        key = re.findall(r"special magic number for ([\w-]+) mentioned", text)
+        found = re.findall(rf"special magic number for {re.escape(key[-1])} is: (\d+)", text) if key else []
+        if not found:
+            raise ValueError(f"retrieval prompt {i} at length={length} lost its queried needle to the cut; "
+                             "use a longer length")
+        probes.append(Probe(f"retrieval-{i}", ids, tuple(_encode(tokenizer, " " + found[0], False))))
+    return probes
+
+
 def calibration_prompts(tokenizer, length: int = 2048, per_category: int = 4, *,
                         categories=CATEGORIES) -> list[CalibrationPrompt]:
     """per_category prompts of each category, each exactly `length` tokens (BOS kept if the tokenizer adds

@@ -566,6 +566,7 @@ def cmd_analyze(args) -> int:
                   per_category=args.per_category, tau=args.tau, topk=args.topk, n_queries=args.n_queries,
                   jaccard_prompts=args.jaccard_prompts, fit=args.fit, budget=args.budget,
                   block_size=args.block_size, fit_prompts=args.fit_prompts, fit_steps=args.fit_steps,
+                  select_probes=args.select_probes,
                   per_head=args.per_head, console=console, dtype=args.dtype, revision=args.revision)
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -731,6 +732,10 @@ def _add_analyze(sub) -> None:
     a.add_argument("--block-size", type=_POSITIVE, default=128)
     a.add_argument("--fit-prompts", type=_POSITIVE, default=4)
     a.add_argument("--fit-steps", type=_POSITIVE, default=60)
+    a.add_argument("--select-probes", type=_int_at_least(0), default=8,
+                   help="after the per-layer fit, keep whichever of {fitted, geometry, valuediff, keydiff, even} "
+                        "gives the lowest answer NLL on this many retrieval probes under eviction at --budget "
+                        "(0: keep the per-layer fit)")
     a.add_argument("--per-head", action="store_true", help="one weight per KV head instead of per layer")
     a.set_defaults(func=cmd_analyze)
 

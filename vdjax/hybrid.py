@@ -21,6 +21,11 @@ is w per layer and KV head ([L][K]); this module also sets it:
   sigmoid((s - threshold) / temperature), temperature annealed; earlier blocks follow the hard decisions).
   The relaxed optimum is then compared with w = 0, w = 1 and the geometry mix by the exact hard error, and
   the best of them is kept, so a fitted layer is never worse on the calibration prompts than either endpoint.
+- `select`: that per-layer objective is local (the next block's attention), and on RULER it did not track
+  retrieval (Gemma3-270M at N=512: the per-layer fit kept 16.8 % of dense, both endpoints ~25 %). So the fit
+  ends with an end-to-end check: each candidate mix (the per-layer fit, the geometry rule, ValueDiff, KeyDiff,
+  an even 0.5 mix) runs the whole model with block eviction at the budget on retrieval probes (a key-value
+  haystack, the question last), and the one with the lowest teacher-forced answer NLL is saved.
 
 Mixes are saved as small JSON files next to the model (`<checkpoint>/vdjax-hybrid/{fitted,geometry}.json`);
 `generate(params, ids, policy="hybrid", budget=N)` uses the fitted one if present, else the geometry one (the
@@ -387,6 +392,43 @@ def held_out_error(params: Params, prompts: Sequence[Sequence[int]], mixes: dict
                                        block=block, window=window)
             out[name][i] = float(jnp.sum(e) / jnp.maximum(jnp.sum(energy), 1e-30))
     return out
+
+
+def uniform_candidates(fitted, geometry) -> dict[str, np.ndarray]:
+    """The mixes [L, K] `select` compares: the per-layer fit, the geometry rule, both endpoints and an even mix."""
+    w = np.asarray(fitted, np.float64)
+    return {"fitted": w, "geometry": np.asarray(geometry, np.float64), "valuediff": np.ones_like(w),
+            "keydiff": np.zeros_like(w), "even": np.full_like(w, 0.5)}
+
+
+def select(params: Params, probes, candidates: dict[str, Any], *, budget: int, block: int = 128,
+           layer_scan: bool = True, reference: bool = True) -> tuple[str, dict[str, float]]:
+    """The candidate mix [L, K] whose block eviction at `budget` gives the lowest answer NLL (nats per answer
+    token, mean over `calibration.Probe`s, teacher-forced with decode's per-token eviction) -> (name, {name: NLL});
+    with `reference` the dense NLL is reported as "dense" (never selected)."""
+    from vdjax.pipeline import continuation_logprobs
+
+    if not candidates:
+        raise ValueError("select needs at least one candidate mix")
+    groups: dict[int, list] = {}
+    for p in probes:  # rows of one call share the answer length
+        groups.setdefault(len(p.answer), []).append(p)
+    if not groups:
+        raise ValueError("select needs at least one probe")
+    runs = {name: ("hybrid", {"mix": np.asarray(w).tolist()}) for name, w in candidates.items()}
+    if reference:
+        runs["dense"] = ("dense", {})
+    nll = {}
+    for name, (policy, kw) in runs.items():
+        total, count = 0.0, 0
+        for group in groups.values():
+            lp = continuation_logprobs(params, [list(p.ids) for p in group], [list(p.answer) for p in group],
+                                       policy, None if policy == "dense" else budget, block,
+                                       layer_scan=layer_scan, **kw)
+            total, count = total - float(lp.sum()), count + lp.size
+        nll[name] = total / count
+    best = min(candidates, key=lambda n: nll[n])
+    return best, nll
 
 
 def describe(mix) -> str:

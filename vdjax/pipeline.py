@@ -378,6 +378,54 @@ def _decode(params, cache, logits, lengths, key, eos, pad, max_new, *, policy, h
     return out, i, KVCache(layer_form(cfg, caches, scan))
 
 
+
+@functools.partial(jax.jit, static_argnames=("policy", "hyper", "scan"))
+def _forced(params, cache, logits, lengths, cont, *, policy, hyper, scan: bool = False):
+    """Teacher-forced log p(cont[:, j] | prompt, cont[:, :j]) [B, C] from the prefill's last logits [B, V]:
+    each continuation token is fed as a decode step feeds its sample (one eviction per layer per token)."""
+    cfg = params.config
+    lws = loop_form(cfg, params.weights["layers"], scan)
+
+    def logprob(lg, tok):  # lg [B, V], tok [B] -> [B]
+        lp = jax.nn.log_softmax(lg.astype(jnp.float32), axis=-1)
+        return jnp.take_along_axis(lp, tok[:, None], axis=1)[:, 0]
+
+    def step(caches, xs):
+        j, fed, nxt = xs  # fed [B] at position lengths + j; nxt [B] the token it should predict
+        x, caches = _run_layers(cfg, policy, hyper, lws, caches, tf.embed(params, fed[:, None]),
+                                (lengths + j)[:, None], scan)
+        return caches, logprob(tf.final_logits(params, x[:, 0]), nxt)
+
+    c = cont.shape[1]
+    first = logprob(logits, cont[:, 0])
+    _, rest = jax.lax.scan(step, loop_form(cfg, cache.layers, scan), (jnp.arange(c - 1), cont[:, :-1].T, cont[:, 1:].T))
+    return jnp.concatenate([first[:, None], rest.T], axis=1)
+
+
+def continuation_logprobs(
+    params: Params,
+    ids,
+    continuation,
+    policy: Policy | str = "valuediff",
+    budget: int | None = None,
+    block_size: int = 128,
+    *,
+    attention_mask=None,
+    layer_scan: bool | None = None,
+    **policy_kwargs,
+) -> np.ndarray:
+    """Log-probabilities [batch, C] of `continuation` (ids [C] for every row, or one row per prompt) after
+    block-prefilling `ids` under eviction, teacher-forced with decode's semantics: the cache is cut to `budget`
+    after each continuation token, so each row's argmax is what greedy `generate` would pick there."""
+    tokens, _ = prepare_ids(params, ids, attention_mask)
+    cont = prepare_question(params, continuation, tokens.shape[0])  # [B, C]
+    p = plan(params, ids, policy, budget, block_size, cont.shape[1], attention_mask, layer_scan, **policy_kwargs)
+    x = place(params, p.tokens, p.lengths)
+    cache, logits = _prefill(x.params, x.tokens, x.lengths, policy=p.policy, hyper=p.hyper, slots=p.slots,
+                             block=p.block, scan=p.scan)
+    return np.asarray(_forced(x.params, cache, logits, x.lengths, jax.device_put(cont), policy=p.policy,
+                              hyper=p.hyper, scan=p.scan))
+
 # ---- input checking -------------------------------------------------------------------------------------
 def prepare_ids(params: Params, ids: Any, attention_mask: Any = None) -> tuple[np.ndarray, np.ndarray]:
     """Validate ids ([T], [batch, T] with optional left-padding mask, or ragged lists) -> (rows, lengths).
