@@ -1,0 +1,60 @@
+"""The README's thesis table: score and retention (% of dense) per policy over the tasks every run has finished.
+
+    python results/thesis/table.py [--model gemma3-270m] [--budget 512]
+
+Reads results/thesis (the main run) and the hybrid folders beside it (results/thesis-hybrid: the per-layer fit at
+N=256; results/thesis-hybrid-selected: the end-to-end selected mix). A task counts only when every listed run has
+all its samples there, so each column averages the same samples. Retention = mean score / dense mean score.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FOLDERS = {"thesis": None, "thesis-hybrid": "hybrid (per-layer fit, N=256)",
+           "thesis-hybrid-selected": "hybrid (selected)"}
+
+
+def lines(model: str):
+    """(column name, record) of every prediction line of `model` in the thesis folders."""
+    for folder, label in FOLDERS.items():
+        for path in sorted((ROOT / folder / "ruler" / model).glob("*/L*/predictions.jsonl")):
+            for line in path.read_text().splitlines():
+                r = json.loads(line)
+                yield (label or r["policy"]), r
+
+
+def table(model: str, budget: int, samples: int = 10) -> str:
+    """A markdown table of the tasks complete for every column at `budget` (dense has no budget)."""
+    scores = defaultdict(lambda: defaultdict(dict))  # column -> task -> sample -> score
+    for col, r in lines(model):
+        if r["budget"] in (None, budget):
+            scores[col][r["task"]][r["sample_id"]] = r["score"]
+    cols = ["dense"] + sorted((c for c in scores if c != "dense"), key=lambda c: -sum(
+        sum(s.values()) for s in scores[c].values()))
+    tasks = sorted(set.intersection(*[{t for t, s in scores[c].items() if len(s) >= samples} for c in cols]))
+    if not tasks:
+        return f"no task is complete for every column of {model} at N={budget}"
+    mean = {c: 100 * sum(sum(scores[c][t].values()) for t in tasks) / sum(len(scores[c][t]) for t in tasks)
+            for c in cols}
+    head = f"{model}, N = {budget}: {len(tasks)} tasks ({', '.join(tasks)}), {samples} samples each"
+    rows = [f"| {c} | {mean[c]:.1f} | {100 * mean[c] / mean['dense']:.1f} % |" if mean["dense"] else
+            f"| {c} | {mean[c]:.1f} | - |" for c in sorted(cols, key=lambda c: -mean[c])]
+    return "\n".join([head, "", "| policy | score | % of dense |", "|---|---|---|", *rows])
+
+
+def main() -> None:
+    """Print the table."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="gemma3-270m")
+    ap.add_argument("--budget", type=int, default=512)
+    a = ap.parse_args()
+    print(table(a.model, a.budget))
+
+
+if __name__ == "__main__":
+    main()
