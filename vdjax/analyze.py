@@ -241,7 +241,7 @@ def analyze_model(model: str, out: str | os.PathLike, *, prompts_file: str | Non
         say(f"fit the hybrid mix on {n_fit} prompts (N={budget}, B={block_size}, {fit_steps} Adam steps per layer)")
         w_fit, fit_info = HY.fit(params, ids[:n_fit], budget=budget, block=block_size, per_head=per_head,
                                  w0=w_geo, steps=fit_steps, progress=console is not None)
-        candidates = HY.uniform_candidates(w_fit, w_geo)
+        candidates = HY.candidate_mixes(w_fit, w_geo)
         errors = HY.held_out_error(params, [held], candidates, budget=budget, block=block_size)
         hyb["held_out_error"] = {k: float(np.nanmean(v)) for k, v in errors.items()}  # attention layers
         fit_meta = {"per_head": per_head, "budget": budget, "block_size": block_size, "steps": fit_steps,

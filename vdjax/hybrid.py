@@ -394,7 +394,7 @@ def held_out_error(params: Params, prompts: Sequence[Sequence[int]], mixes: dict
     return out
 
 
-def uniform_candidates(fitted, geometry) -> dict[str, np.ndarray]:
+def candidate_mixes(fitted, geometry) -> dict[str, np.ndarray]:
     """The mixes [L, K] `select` compares: the per-layer fit, the geometry rule, both endpoints and an even mix."""
     w = np.asarray(fitted, np.float64)
     return {"fitted": w, "geometry": np.asarray(geometry, np.float64), "valuediff": np.ones_like(w),

@@ -378,7 +378,6 @@ def _decode(params, cache, logits, lengths, key, eos, pad, max_new, *, policy, h
     return out, i, KVCache(layer_form(cfg, caches, scan))
 
 
-
 @functools.partial(jax.jit, static_argnames=("policy", "hyper", "scan"))
 def _forced(params, cache, logits, lengths, cont, *, policy, hyper, scan: bool = False):
     """Teacher-forced log p(cont[:, j] | prompt, cont[:, :j]) [B, C] from the prefill's last logits [B, V]:
@@ -398,7 +397,8 @@ def _forced(params, cache, logits, lengths, cont, *, policy, hyper, scan: bool =
 
     c = cont.shape[1]
     first = logprob(logits, cont[:, 0])
-    _, rest = jax.lax.scan(step, loop_form(cfg, cache.layers, scan), (jnp.arange(c - 1), cont[:, :-1].T, cont[:, 1:].T))
+    xs = (jnp.arange(c - 1), cont[:, :-1].T, cont[:, 1:].T)  # step j feeds cont[:, j], predicts cont[:, j + 1]
+    _, rest = jax.lax.scan(step, loop_form(cfg, cache.layers, scan), xs)  # rest [C - 1, B]
     return jnp.concatenate([first[:, None], rest.T], axis=1)
 
 
@@ -425,6 +425,7 @@ def continuation_logprobs(
                              block=p.block, scan=p.scan)
     return np.asarray(_forced(x.params, cache, logits, x.lengths, jax.device_put(cont), policy=p.policy,
                               hyper=p.hyper, scan=p.scan))
+
 
 # ---- input checking -------------------------------------------------------------------------------------
 def prepare_ids(params: Params, ids: Any, attention_mask: Any = None) -> tuple[np.ndarray, np.ndarray]:
