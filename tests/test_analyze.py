@@ -91,3 +91,32 @@ def test_analyze_rejects_bad_arguments(tiny_dir, tmp_path, capsys):
     assert "--prompts" in capsys.readouterr().err
     assert main(["analyze", "--model", str(tiny_dir), "--tau", "1.5"]) == 2
     assert "--tau" in capsys.readouterr().err
+    assert main(["analyze", "--model", str(tiny_dir), "--select-on", "perplexity"]) == 2
+    assert "--select-on" in capsys.readouterr().err
+
+
+def test_analyze_select_on_ruler_saves_the_chosen_mix(tiny_dir, tmp_path, monkeypatch):
+    """--select-on ruler hands the five candidates to `select_on_ruler` (held-out seed, folder
+    OUT/<model>/selection-N<budget>) and saves the one it returns, with its scores, as the fitted mix."""
+    from vdjax import analyze as A
+
+    monkeypatch.setenv("VDJAX_COMPILE_CACHE", "0")
+    seen = {}
+
+    def spy(params, tok, candidates, **kw):
+        seen.update(kw, candidates=candidates)
+        return "even", {name: 0.5 if name == "even" else 0.1 for name in candidates}
+
+    monkeypatch.setattr(A, "select_on_ruler", spy)
+    out = tmp_path / "geo"
+    assert main(["analyze", "--model", str(tiny_dir), "--out", str(out), "--length", "128", "--per-category", "1",
+                 "--topk", "0", "--fit", "--budget", "16", "--block-size", "32", "--fit-prompts", "1",
+                 "--fit-steps", "2", "--select-on", "ruler", "--select-samples", "3"]) == 0
+    folder = out / tiny_dir.name
+    assert set(seen["candidates"]) == {"fitted", "geometry", "valuediff", "keydiff", "even"}
+    assert seen["budget"] == 16 and seen["samples"] == 3 and seen["out_dir"] == folder / "selection-N16"
+    fitted = json.loads((folder / "hybrid-fitted.json").read_text())
+    assert fitted["chosen"] == "even" and fitted["selection"]["seed"] == A.VALIDATION_SEED != 42
+    np.testing.assert_allclose(fitted["weights"], np.full((3, 2), 0.5))
+    assert fitted["selection"]["score"]["even"] == 0.5 and "qa_1" not in fitted["selection"]["tasks"]
+    assert "mean RULER score of 3 held-out samples" in (folder / "summary.md").read_text()

@@ -722,3 +722,38 @@ def test_seed_defaults_to_the_benchmark_seed(tiny, tmp_path):
     bench.SEED = 7
     path = _run(tiny, tmp_path, bench, tasks=["alpha"], policies=["dense"], budgets=None, seed=None)
     assert {r["seed"] for r in _lines(path)} == {7}
+
+
+# ---- the hybrid's selection on held-out RULER samples ------------------------------------------------------
+def test_select_on_ruler_keeps_the_best_mean_score_on_held_out_samples(tiny, tmp_path, monkeypatch):
+    """Each candidate mix runs as policy hybrid on RULER samples drawn with seed 1 (not RULER's 42) into its own
+    resumable folder; the selection is the highest mean of the lines' scores (ties: the first), a second call
+    generates nothing, and qa (questions by index, the same for every seed) is not among the default tasks."""
+    from vdjax import analyze as A
+    from vdjax.eval import metrics
+
+    params, tok = tiny
+    for name in list(metrics.METRICS):  # a score that differs between predictions, so the choice can be wrong
+        monkeypatch.setitem(metrics.METRICS, name, lambda p, a, s: (len(p) * 7 + sum(map(ord, p))) % 11 / 10)
+    L, K = params.config.num_layers, params.config.num_kv_heads
+    cands = {"even": [[0.5] * K] * L, "valuediff": [[1.0] * K] * L, "keydiff": [[0.0] * K] * L}
+    tasks = ("niah_single_1", "niah_single_2")
+    kw = dict(model_name="tiny", budget=64, block=32, length=768, samples=2, tasks=tasks, batch_size=2)
+    best, scores = A.select_on_ruler(params, tok, cands, out_dir=tmp_path, **kw)
+    assert list(scores) == list(cands)
+    for name, w in cands.items():
+        lines = _lines(tmp_path / name / "ruler" / "tiny" / "paper" / "L768" / "predictions.jsonl")
+        assert len(lines) == 4 and {r["task"] for r in lines} == set(tasks)
+        assert all(r["seed"] == 1 and r["policy"] == "hybrid" and r["budget"] == 64 for r in lines)
+        assert all(r["hyper"]["mix"] == w and r["sample_id"].split("-")[2] == "1" for r in lines)
+        assert scores[name] == pytest.approx(sum(r["score"] for r in lines) / 4)
+    assert best == max(cands, key=lambda n: scores[n])
+    assert len(set(scores.values())) > 1, "the candidates should score differently under this metric"
+    calls = []
+    monkeypatch.setattr(runner, "run_call", lambda *a, **k: calls.append(a) or iter(()))
+    assert A.select_on_ruler(params, tok, cands, out_dir=tmp_path, **kw) == (best, scores) and not calls
+    assert "qa_1" not in A.validation_tasks() and "fwe" in A.validation_tasks()
+    with pytest.raises(ValueError, match="seed=42 is the seed RULER scores with"):
+        A.select_on_ruler(params, tok, cands, out_dir=tmp_path, seed=42, **kw)
+    with pytest.raises(ValueError, match="at least one candidate"):
+        A.select_on_ruler(params, tok, {}, out_dir=tmp_path, **kw)

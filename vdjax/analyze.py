@@ -19,6 +19,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from vdjax import geometry as G
+from vdjax.checks import check_int
 from vdjax import hybrid as HY
 
 AGG_COLUMNS = ("sink_rate", "learned_sink", "sigma_k", "sigma_v", "ratio", "bos_attn", "bos_cos", "w_ratio",
@@ -199,15 +200,67 @@ def _scatter(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=130)
 
 
+# ---- selection on held-out RULER samples -------------------------------------------------------------------
+SELECT_ON = ("retrieval", "ruler")  # the end-to-end selection objectives of `analyze_model`
+VALIDATION_SEED = 1  # not RULER's 42: other needles, chains and word lists than the scored samples
+
+
+def validation_tasks() -> tuple[str, ...]:
+    """RULER's tasks but qa_1/qa_2: their questions go by sample index whatever the seed, so held-out seeds
+    would re-ask the scored questions."""
+    from vdjax.eval import ruler
+
+    return tuple(t for t in ruler.TASKS if not t.startswith("qa"))
+
+
+def select_on_ruler(params, tokenizer, candidates: dict[str, Any], *, model_name: str, budget: int, out_dir,
+                    block: int = 128, length: int = 2048, samples: int = 2, seed: int = VALIDATION_SEED,
+                    tasks: Sequence[str] | None = None, batch_size: int = 10,
+                    progress: bool = False) -> tuple[str, dict[str, float]]:
+    """The candidate mix [L, K] with the highest mean RULER score on held-out samples (`samples` per task of
+    `tasks`, default `validation_tasks()`, drawn with `seed`, paper protocol, greedy, block eviction at
+    `budget`) -> (name, {name: mean score}); ties keep the first candidate. Each candidate's generations are a
+    resumable run under out_dir/<name>/ (`vdjax.eval.runner.evaluate`, policy hybrid with that mix)."""
+    from vdjax.eval import records, ruler, runner
+
+    if not candidates:
+        raise ValueError("select_on_ruler needs at least one candidate mix")
+    if seed == ruler.SEED:
+        raise ValueError(f"seed={seed} is the seed RULER scores with; the selection needs held-out samples")
+    tasks = tuple(validation_tasks() if tasks is None else tasks)
+    scores = {}
+    for name, w in candidates.items():
+        mix = np.asarray(w, np.float64).tolist()
+        path = runner.evaluate(params, tokenizer, "ruler", model_name=model_name, policies=["hybrid"],
+                               budgets=[budget], length=length, num_samples=samples, out_dir=Path(out_dir) / name,
+                               tasks=tasks, seed=seed, block_size=block, batch_size=batch_size,
+                               policy_kwargs={"hybrid": {"mix": mix}}, progress=progress)
+        rows = [r for r in records.read_predictions(path) if r["budget"] == budget and r["task"] in tasks]
+        if len(rows) != samples * len(tasks):
+            raise ValueError(f"{path} holds {len(rows)} lines at budget {budget} for {len(tasks)} tasks x "
+                             f"{samples} samples; expected {samples * len(tasks)}")
+        scores[name] = float(np.mean([r["score"] for r in rows]))
+    best = max(candidates, key=lambda n: scores[n])
+    return best, scores
+
+
 # ---- the command ----------------------------------------------------------------------------------------
 def analyze_model(model: str, out: str | os.PathLike, *, prompts_file: str | None = None, length: int = 2048,
         per_category: int = 4, tau: float = G.TAU, topk: int = G.TOPK, n_queries: int = G.N_QUERIES,
         jaccard_prompts: int = 8, fit: bool = False, budget: int = 256, block_size: int = 128,
         fit_prompts: int = 4, fit_steps: int = 60, per_head: bool = False, select_probes: int = 8,
-        save_to_model: bool = True,
+        select_on: str = "retrieval", select_samples: int = 2, save_to_model: bool = True,
         console=None, dtype=None, revision: str | None = None) -> dict[str, Any]:
     """Analyse `model` into OUT/<model>/, write hybrid mixes (geometry rule; fitted with `fit`), refresh
-    OUT's all-models table and scatter. Returns {"geometry": Geometry, "paths": {...}, "hybrid": {...}}."""
+    OUT's all-models table and scatter. Returns {"geometry": Geometry, "paths": {...}, "hybrid": {...}}.
+
+    With `fit`, the saved mix is the candidate (`hybrid.candidate_mixes`) that wins end to end at `budget`:
+    `select_on="retrieval"` the lowest answer NLL on `select_probes` retrieval probes (`hybrid.select`),
+    `"ruler"` the highest mean score on `select_samples` held-out RULER samples per task (`select_on_ruler`,
+    runs under OUT/<model>/selection-N<budget>/); `select_probes=0` keeps the per-layer fit."""
+    if select_on not in SELECT_ON:
+        raise ValueError(f"select_on={select_on!r} is unknown; allowed: {list(SELECT_ON)}")
+    check_int("select_samples", select_samples, 1)
     import vdjax
     from vdjax.calibration import calibration_prompts, prompts_from_file
 
@@ -254,7 +307,21 @@ def analyze_model(model: str, out: str | os.PathLike, *, prompts_file: str | Non
                   f"(relative, mean over layers):\n\n| mix | error |\n|---|---|\n"
                   + "".join(f"| {k} | {v:.4f} |\n" for k, v in hyb["held_out_error"].items()))
         chosen = "fitted"
-        if select_probes:
+        if select_probes and select_on == "ruler":
+            tasks = validation_tasks()
+            say(f"select the mix end to end: mean RULER score of {select_samples} held-out samples (seed "
+                f"{VALIDATION_SEED}) of {len(tasks)} tasks at N={budget} for {', '.join(candidates)}")
+            chosen, score = select_on_ruler(params, tok, candidates, model_name=name, budget=budget,
+                                            out_dir=folder / f"selection-N{budget}", block=block_size,
+                                            length=length, samples=select_samples, progress=console is not None)
+            hyb["selection"] = score
+            fit_meta.update({"selection": {"benchmark": "ruler", "seed": VALIDATION_SEED, "tasks": list(tasks),
+                             "samples": select_samples, "objective": "mean RULER score (greedy, paper protocol)",
+                             "score": score}, "selected": chosen})
+            extra += (f"\nEnd-to-end selection at N={budget}: mean RULER score of {select_samples} held-out "
+                      f"samples (seed {VALIDATION_SEED}) of {len(tasks)} tasks; kept **{chosen}**:\n\n"
+                      "| mix | score |\n|---|---|\n" + "".join(f"| {k} | {v:.4f} |\n" for k, v in score.items()))
+        elif select_probes:
             from vdjax.calibration import retrieval_probes
 
             probes = retrieval_probes(tok, length, select_probes)

@@ -566,7 +566,7 @@ def cmd_analyze(args) -> int:
                   per_category=args.per_category, tau=args.tau, topk=args.topk, n_queries=args.n_queries,
                   jaccard_prompts=args.jaccard_prompts, fit=args.fit, budget=args.budget,
                   block_size=args.block_size, fit_prompts=args.fit_prompts, fit_steps=args.fit_steps,
-                  select_probes=args.select_probes,
+                  select_probes=args.select_probes, select_on=args.select_on, select_samples=args.select_samples,
                   per_head=args.per_head, console=console, dtype=args.dtype, revision=args.revision)
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -735,7 +735,13 @@ def _add_analyze(sub) -> None:
     a.add_argument("--select-probes", type=_int_at_least(0), default=8,
                    help="after the per-layer fit, keep whichever of {fitted, geometry, valuediff, keydiff, even} "
                         "gives the lowest answer NLL on this many retrieval probes under eviction at --budget "
-                        "(0: keep the per-layer fit)")
+                        "(0: keep the per-layer fit; see --select-on)")
+    a.add_argument("--select-on", choices=("retrieval", "ruler"), default="retrieval",
+                   help="the selection's objective: 'retrieval' answer NLL of --select-probes retrieval probes; "
+                        "'ruler' the mean score of --select-samples held-out RULER samples per task (seed 1, "
+                        "qa left out; needs the eval extra; runs under OUT/<model>/selection-N<budget>/)")
+    a.add_argument("--select-samples", type=_POSITIVE, default=2,
+                   help="held-out RULER samples per task for --select-on ruler")
     a.add_argument("--per-head", action="store_true", help="one weight per KV head instead of per layer")
     a.set_defaults(func=cmd_analyze)
 

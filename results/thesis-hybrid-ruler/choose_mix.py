@@ -1,0 +1,46 @@
+"""The hybrid's mix for the thesis run, chosen on held-out RULER samples (`vdjax.analyze.select_on_ruler`).
+
+Candidates (`hybrid.candidate_mixes`): the per-layer fit at N=256 and the geometry rule of results/geometry/<model>/,
+ValueDiff, KeyDiff, an even 0.5 mix. Each runs 2 samples of each RULER task but qa (seed 1, not the scored 42;
+qa's questions go by index) at 2048 tokens, N=512, B=128, paper protocol, greedy; the highest mean score wins.
+The chosen mix is written beside this file and copied next to the converted checkpoint, where `vdjax eval
+--policies hybrid` finds it by name:
+
+    VDJAX_CACHE=/work/vdcache .venv/bin/python results/thesis-hybrid-ruler/choose_mix.py --model gemma3-270m
+"""
+
+import argparse
+import json
+import shutil
+import time
+from pathlib import Path
+
+import vdjax
+from vdjax import analyze as A
+from vdjax import hybrid as HY
+
+HERE = Path(__file__).parent
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--model", required=True)
+ap.add_argument("--budget", type=int, default=512)
+ap.add_argument("--samples", type=int, default=2)
+args = ap.parse_args()
+
+geo = Path("results/geometry") / args.model
+fitted, geometry = (HY.load_mix(geo / f"hybrid-{m}.json")["weights"] for m in ("fitted", "geometry"))
+candidates = HY.candidate_mixes(fitted, geometry)
+params, tok = vdjax.load(args.model), vdjax.load_tokenizer(args.model)
+t0 = time.time()
+best, scores = A.select_on_ruler(params, tok, candidates, model_name=args.model, budget=args.budget,
+                                 out_dir=HERE / "selection" / args.model / f"N{args.budget}", samples=args.samples,
+                                 length=2048, block=128, batch_size=10, progress=True)
+info = {"budget": args.budget, "selection": {"benchmark": "ruler", "seed": A.VALIDATION_SEED,
+        "tasks": list(A.validation_tasks()), "samples": args.samples, "length": 2048, "block_size": 128,
+        "objective": "mean RULER score (greedy, paper protocol)", "score": scores,
+        "candidates_from": [str(geo / "hybrid-fitted.json"), str(geo / "hybrid-geometry.json")]},
+        "chosen": best, "seconds": round(time.time() - t0)}
+path = HY.save_mix(HERE / f"{args.model}-mix-N{args.budget}.json", candidates[best], method="fitted",
+                   model=args.model, info=info)
+shutil.copyfile(path, HY.mix_path(params, "fitted"))
+print(json.dumps({"chosen": best, "score": scores, "seconds": info["seconds"]}, indent=1))
