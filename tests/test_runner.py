@@ -727,8 +727,8 @@ def test_seed_defaults_to_the_benchmark_seed(tiny, tmp_path):
 # ---- the hybrid's selection on held-out RULER samples ------------------------------------------------------
 def test_select_on_ruler_keeps_the_best_mean_score_on_held_out_samples(tiny, tmp_path, monkeypatch):
     """Each candidate mix runs as policy hybrid on RULER samples drawn with seed 1 (not RULER's 42) into its own
-    resumable folder; the selection is the highest mean of the lines' scores (ties: the first), a second call
-    generates nothing, and qa (questions by index, the same for every seed) is not among the default tasks."""
+    resumable folder (a repeated mix shares its run); the selection is the highest mean of the lines' scores
+    (ties: the first), a second call generates nothing, and qa (questions by index, the same for every seed) is not among the default tasks."""
     from vdjax import analyze as A
     from vdjax.eval import metrics
 
@@ -739,8 +739,9 @@ def test_select_on_ruler_keeps_the_best_mean_score_on_held_out_samples(tiny, tmp
     cands = {"even": [[0.5] * K] * L, "valuediff": [[1.0] * K] * L, "keydiff": [[0.0] * K] * L}
     tasks = ("niah_single_1", "niah_single_2")
     kw = dict(model_name="tiny", budget=64, block=32, length=768, samples=2, tasks=tasks, batch_size=2)
-    best, scores = A.select_on_ruler(params, tok, cands, out_dir=tmp_path, **kw)
-    assert list(scores) == list(cands)
+    best, scores = A.select_on_ruler(params, tok, cands | {"ones": [[1.0] * K] * L}, out_dir=tmp_path, **kw)
+    assert list(scores) == [*cands, "ones"]
+    assert scores.pop("ones") == scores["valuediff"] and not (tmp_path / "ones").exists()  # same weights: one run
     for name, w in cands.items():
         lines = _lines(tmp_path / name / "ruler" / "tiny" / "paper" / "L768" / "predictions.jsonl")
         assert len(lines) == 4 and {r["task"] for r in lines} == set(tasks)

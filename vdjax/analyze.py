@@ -220,7 +220,8 @@ def select_on_ruler(params, tokenizer, candidates: dict[str, Any], *, model_name
     """The candidate mix [L, K] with the highest mean RULER score on held-out samples (`samples` per task of
     `tasks`, default `validation_tasks()`, drawn with `seed`, paper protocol, greedy, block eviction at
     `budget`) -> (name, {name: mean score}); ties keep the first candidate. Each candidate's generations are a
-    resumable run under out_dir/<name>/ (`vdjax.eval.runner.evaluate`, policy hybrid with that mix)."""
+    resumable run under out_dir/<name>/ (`vdjax.eval.runner.evaluate`, policy hybrid with that mix); a
+    candidate with the same weights as an earlier one shares its run."""
     from vdjax.eval import records, ruler, runner
 
     if not candidates:
@@ -228,9 +229,14 @@ def select_on_ruler(params, tokenizer, candidates: dict[str, Any], *, model_name
     if seed == ruler.SEED:
         raise ValueError(f"seed={seed} is the seed RULER scores with; the selection needs held-out samples")
     tasks = tuple(validation_tasks() if tasks is None else tasks)
-    scores = {}
+    scores, runs = {}, {}
     for name, w in candidates.items():
         mix = np.asarray(w, np.float64).tolist()
+        key = json.dumps(mix)
+        if key in runs:  # the same weights as an earlier candidate (Gemma3's geometry rule is ValueDiff): same run
+            scores[name] = scores[runs[key]]
+            continue
+        runs[key] = name
         path = runner.evaluate(params, tokenizer, "ruler", model_name=model_name, policies=["hybrid"],
                                budgets=[budget], length=length, num_samples=samples, out_dir=Path(out_dir) / name,
                                tasks=tasks, seed=seed, block_size=block, batch_size=batch_size,
