@@ -103,6 +103,27 @@ def _task_mean(scores: dict[str, dict[str, float]], keep=None) -> float | None:
     return _mean(means)
 
 
+def paired_difference(a: dict[str, dict[str, float]], b: dict[str, dict[str, float]], *, level: float = 0.95,
+                      resamples: int = 10_000, seed: int = 0) -> tuple[float, float, float] | None:
+    """Score difference a - b (x100, the task-mean of each task's mean paired difference, as the table cells
+    average) on the samples both have, with a `level` percentile bootstrap interval: samples resampled with
+    replacement within each task -> (difference, low, high); None when no sample is shared.
+    a, b: {task: {sample id: score}}."""
+    import numpy as np
+
+    if not 0 < level < 1:
+        raise ValueError(f"level must lie in (0, 1), got {level!r}")
+    diffs = [np.array([a[t][i] - b[t][i] for i in sorted(a[t].keys() & b[t].keys())], np.float64)
+             for t in sorted(a.keys() & b.keys())]
+    diffs = [d for d in diffs if d.size]
+    if not diffs:
+        return None
+    rng = np.random.default_rng(seed)
+    boot = np.mean([d[rng.integers(0, d.size, (resamples, d.size))].mean(axis=1) for d in diffs], axis=0)
+    low, high = np.quantile(boot, [(1 - level) / 2, (1 + level) / 2])
+    return 100 * float(np.mean([d.mean() for d in diffs])), 100 * float(low), 100 * float(high)
+
+
 def _policy_order(names: Iterable[str]) -> list[str]:
     """Evicting policies in registry order, then any others alphabetically (dense excluded)."""
     try:

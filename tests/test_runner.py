@@ -758,3 +758,22 @@ def test_select_on_ruler_keeps_the_best_mean_score_on_held_out_samples(tiny, tmp
         A.select_on_ruler(params, tok, cands, out_dir=tmp_path, seed=42, **kw)
     with pytest.raises(ValueError, match="at least one candidate"):
         A.select_on_ruler(params, tok, {}, out_dir=tmp_path, **kw)
+
+
+def test_paired_difference_bootstrap_by_hand():
+    """The difference is the task-mean of per-task mean paired differences (x100) over shared samples; a constant
+    difference has a zero-width interval; the interval holds the difference, narrows with the level, and is the
+    same for the same seed."""
+    a = {"t1": {"0": 1.0, "1": 0.0, "2": 1.0}, "t2": {"0": 0.5, "1": 0.5}, "t3": {"0": 1.0}}
+    b = {"t1": {"0": 0.0, "1": 0.0, "2": 0.0, "9": 1.0}, "t2": {"0": 0.5, "1": 0.0}}
+    d, lo, hi = report.paired_difference(a, b)
+    assert d == pytest.approx(100 * (2 / 3 + 0.25) / 2)  # t3 and b's sample 9 are not shared
+    assert 0 <= lo < d < hi <= 100 * (1 + 0.5) / 2
+    assert report.paired_difference(a, b) == (d, lo, hi)
+    d50, lo50, hi50 = report.paired_difference(a, b, level=0.5)
+    assert d50 == d and lo <= lo50 <= hi50 <= hi
+    const = {"t": {str(i): 0.25 for i in range(5)}}
+    assert report.paired_difference(const, {"t": {str(i): 0.0 for i in range(5)}}) == pytest.approx((25, 25, 25))
+    assert report.paired_difference(a, {"other": {"0": 1.0}}) is None
+    with pytest.raises(ValueError, match="level must lie in"):
+        report.paired_difference(a, b, level=95)
