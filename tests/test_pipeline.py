@@ -275,3 +275,34 @@ def test_continuation_logprobs_follow_decode_eviction(model, prompts, name):
     np.testing.assert_allclose(np.exp(lp[:, j].astype(np.float64)).sum(), 1.0, rtol=1e-4)
     assert int(np.argmax(lp[:, j])) == int(greedy[j])
     np.testing.assert_allclose(lp[:, :j], np.tile(lp[:1, :j], (v, 1)), rtol=1e-5, atol=1e-6)  # same prefix
+
+
+@pytest.mark.parametrize("name", ["valuediff", "keydiff", "tova", "snapkv", "streaming", "h2o"])
+@pytest.mark.parametrize("sliding", [False, True])
+def test_causal_fill_before_the_first_eviction_equals_the_block_path(name, sliding, monkeypatch):
+    """Evicting prefill runs the whole blocks before its first eviction as one causal pass: the same positions
+    in the same slots, the same values and logits as block by block (ragged rows; a sliding layer shrinks the
+    fill to its W - 1 slots); a policy that accumulates attention never takes it. Tokens do not repeat here:
+    a repeated token's layer-0 value ties exactly, and at these tiny shapes XLA's one [2 x 64]-row projection
+    and its [2 x 16]-row ones round differently (on SmolLM2's shapes they agree to the bit, so do the kept sets)."""
+    cfg = tiny_config(num_layers=3, vocab_size=400, **(
+        {"layer_types": ("sliding_attention", "full_attention", "sliding_attention"), "sliding_window": 60}
+        if sliding else {}))
+    params = random_params(cfg, seed=5)
+    order = np.random.RandomState(1).permutation(cfg.vocab_size).astype(np.int32)
+    ids = [order[:150], order[200:270]]
+    policy = vdjax.get_policy(name)
+    per_layer = pipeline.layer_slots(cfg, 64, dense=False)
+    fill = pipeline.fill_tokens(cfg, policy, per_layer, 16, 160)
+    assert fill == (0 if name == "h2o" else 48 if sliding else 64)  # W - 1 = 59 slots: 3 whole blocks
+    assert pipeline.fill_tokens(cfg, policy, per_layer, 16, 32) == (0 if name == "h2o" else 32)
+    new = pipeline.prefill(params, ids, name, budget=64, block_size=16, layer_scan=False)
+    monkeypatch.setattr(pipeline, "fill_tokens", lambda *a: 0)
+    pipeline._prefill.clear_cache()
+    old = pipeline.prefill(params, ids, name, budget=64, block_size=16, layer_scan=False)
+    pipeline._prefill.clear_cache()
+    for a, b in zip(new[0].layers, old[0].layers):
+        np.testing.assert_array_equal(a.pos, b.pos)
+        np.testing.assert_allclose(a.k, b.k, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(a.v, b.v, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(new[1], old[1], rtol=1e-4, atol=1e-4)

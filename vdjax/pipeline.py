@@ -242,11 +242,20 @@ def _prefill(params: Params, tokens, lengths, *, policy: Policy, hyper, slots: i
     q_pos = jnp.where(pos < lengths[:, None], pos, -1)  # [B, T]
     if policy.is_dense:  # nothing is evicted, so block boundaries change nothing: one causal pass per layer
         return _dense_prefill(params, tokens, q_pos, lengths, slots, mesh)
-    xs = (tokens.reshape(b, nb, block).swapaxes(0, 1), q_pos.reshape(b, nb, block).swapaxes(0, 1))
-    cache = KVCache.for_model(cfg, b, layer_slots(cfg, slots, policy.is_dense), params.dtype)
+    per_layer = layer_slots(cfg, slots, policy.is_dense)
+    fill = fill_tokens(cfg, policy, per_layer, block, t)
+    if fill:  # the blocks before the first eviction: one causal pass (same tokens kept, in the same slots)
+        layers, x = _dense_layers(params, tokens[:, :fill], q_pos[:, :fill], per_layer)
+        cache = KVCache(layers)
+        last = jnp.clip(lengths - 1, 0, fill - 1)[:, None, None]
+        h_last = jnp.where((lengths <= fill)[:, None], jnp.take_along_axis(x, last, axis=1)[:, 0], 0).astype(x.dtype)
+    else:
+        cache = KVCache.for_model(cfg, b, per_layer, params.dtype)
+        h_last = jnp.zeros((b, cfg.hidden_size), params.dtype)
+    nb -= fill // block
+    xs = (tokens[:, fill:].reshape(b, nb, block).swapaxes(0, 1), q_pos[:, fill:].reshape(b, nb, block).swapaxes(0, 1))
     lws = loop_form(cfg, params.weights["layers"], scan)  # stacked once, outside the block loop
     caches = _constrain(loop_form(cfg, cache.layers, scan), mesh, scan)
-    h_last = jnp.zeros((b, cfg.hidden_size), params.dtype)
 
     def block_step(carry, xs):
         tok, qp = xs  # [B, S]
@@ -265,10 +274,21 @@ def _prefill(params: Params, tokens, lengths, *, policy: Policy, hyper, slots: i
     return KVCache(layer_form(cfg, caches, scan)), tf.final_logits(params, h_last)
 
 
-def _dense_prefill(params: Params, tokens, q_pos, lengths, slots: int, mesh):
-    """Dense prefill, layer by layer over the whole prompt: causal attention that reads only what each query
-    sees (`transformer.causal_attention`), Gated DeltaNet layers in their chunked form. The cache is indexed
-    by position (`slots` >= T: room for the tokens to come); sliding layers drop what no later query sees."""
+def fill_tokens(cfg, policy: Policy, per_layer: tuple[int, ...], block: int, t: int) -> int:
+    """How many leading prompt tokens an evicting prefill may run as one causal pass: whole blocks that fit
+    every attention layer's slots, where nothing is evicted yet (a set of at most N valid candidates is kept
+    whole, each new token in the next free slot, i.e. slot = position) and no token of a sliding layer dies.
+    0 for a policy that accumulates attention (its scores need every block's probabilities)."""
+    if policy.accumulates:
+        return 0
+    attending = [n for i, n in enumerate(per_layer) if cfg.attends(i)]
+    room = min(attending) if attending else t
+    return min(room // block * block, t)
+
+
+def _dense_layers(params: Params, tokens, q_pos, slots) -> tuple[tuple, jax.Array]:
+    """Every layer over tokens [B, T] at q_pos [B, T] in one causal pass: (per-layer caches indexed by position
+    with `slots` (an int, or one per layer) >= T slots, padding tokens' rows zeroed; x [B, T, H])."""
     cfg = params.config
     b, t = tokens.shape
     x = tf.embed(params, tokens)
@@ -278,14 +298,25 @@ def _dense_prefill(params: Params, tokens, q_pos, lengths, slots: int, mesh):
             x, state = tf.linear_layer_forward(lw, x, q_pos, LinearState.empty(cfg, b, x.dtype), cfg)
             layers.append(state)
             continue
+        n = slots if isinstance(slots, int) else slots[i]
         inv_freq, window = tf.layer_settings(cfg, i)
         x, k, v = tf.causal_layer_forward(lw, x, q_pos, cfg, jnp.asarray(inv_freq), window)  # k, v [B, K, T, D]
         pos = _drop_dead(jnp.broadcast_to(q_pos[:, None, :], k.shape[:3]), q_pos, window)
-        room = [(0, 0), (0, 0), (0, slots - t)]
-        layers.append(LayerCache(jnp.pad(k, room + [(0, 0)]), jnp.pad(v, room + [(0, 0)]),
-                                 jnp.pad(pos, room, constant_values=-1), jnp.zeros((b, k.shape[1], slots), jnp.float32)))
+        live = (q_pos >= 0)[:, None, :, None]  # padding rows hold zeros, as the block path leaves them
+        room = [(0, 0), (0, 0), (0, n - t)]
+        layers.append(LayerCache(jnp.pad(jnp.where(live, k, 0), room + [(0, 0)]),
+                                 jnp.pad(jnp.where(live, v, 0), room + [(0, 0)]),
+                                 jnp.pad(pos, room, constant_values=-1), jnp.zeros((b, k.shape[1], n), jnp.float32)))
+    return tuple(layers), x
+
+
+def _dense_prefill(params: Params, tokens, q_pos, lengths, slots: int, mesh):
+    """Dense prefill, layer by layer over the whole prompt: causal attention that reads only what each query
+    sees (`transformer.causal_attention`), Gated DeltaNet layers in their chunked form. The cache is indexed
+    by position (`slots` >= T: room for the tokens to come); sliding layers drop what no later query sees."""
+    layers, x = _dense_layers(params, tokens, q_pos, slots)
     h_last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, H]
-    return constrain_cache(KVCache(tuple(layers)), mesh), tf.final_logits(params, h_last)
+    return constrain_cache(KVCache(layers), mesh), tf.final_logits(params, h_last)
 
 
 @functools.partial(jax.jit, static_argnames=("policy", "hyper", "mesh", "scan"))
