@@ -3,7 +3,8 @@
     python results/thesis/table.py [--model gemma3-270m] [--budget 512]
 
 Reads results/thesis (the main run) and the hybrid folders beside it (results/thesis-hybrid: the per-layer fit at
-N=256; results/thesis-hybrid-selected: the end-to-end selected mix). A task counts only when every listed run has
+N=256; results/thesis-hybrid-selected: the mix selected by retrieval-probe NLL; results/thesis-hybrid-ruler: the
+mix selected on held-out RULER samples; its selection runs under selection/, which this table does not read). A task counts only when every listed run has
 all its samples there, so each column averages the same samples. Retention = mean score / dense mean score.
 The last column is the paired difference from KeyDiff in score points with a bootstrap 95 % interval (samples
 resampled within each task): at 10 samples per task most differences between policies lie inside it.
@@ -20,7 +21,7 @@ from vdjax.eval.report import paired_difference
 
 ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = {"thesis": None, "thesis-hybrid": "hybrid (per-layer fit, N=256)",
-           "thesis-hybrid-selected": "hybrid (selected)"}
+           "thesis-hybrid-selected": "hybrid (selected)", "thesis-hybrid-ruler": "hybrid (RULER-selected)"}
 
 
 def lines(model: str):
