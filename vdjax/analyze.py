@@ -19,8 +19,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from vdjax import geometry as G
-from vdjax.checks import check_int
 from vdjax import hybrid as HY
+from vdjax.checks import check_int
 
 AGG_COLUMNS = ("sink_rate", "learned_sink", "sigma_k", "sigma_v", "ratio", "bos_attn", "bos_cos", "w_ratio",
                "s1_ratio", "jaccard", "jaccard_std")

@@ -248,7 +248,7 @@ def _prefill(params: Params, tokens, lengths, *, policy: Policy, hyper, slots: i
         layers, x = _dense_layers(params, tokens[:, :fill], q_pos[:, :fill], per_layer)
         cache = KVCache(layers)
         last = jnp.clip(lengths - 1, 0, fill - 1)[:, None, None]
-        h_last = jnp.where((lengths <= fill)[:, None], jnp.take_along_axis(x, last, axis=1)[:, 0], 0).astype(x.dtype)
+        h_last = jnp.where((lengths <= fill)[:, None], jnp.take_along_axis(x, last, axis=1)[:, 0], 0)  # [B, H]
     else:
         cache = KVCache.for_model(cfg, b, per_layer, params.dtype)
         h_last = jnp.zeros((b, cfg.hidden_size), params.dtype)
