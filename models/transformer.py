@@ -173,6 +173,12 @@ def attend(
         top = jnp.maximum(jnp.max(logits, axis=-1, keepdims=True), sink)
         e = jnp.exp(logits - top)
         probs = e / (jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink - top))
+    if s == 1:  # decode: [G, N] x [N, D] per head as multiply + reduce in fp32, reading V where it lies (as a
+        # dot, XLA:CPU first copies the whole V cache into [K, D, N] every step; bench/README.md, decode)
+        p1 = probs[:, :, :, 0]  # [B, K, G, C]
+        out = jnp.sum(p1[..., :n, None] * v_cache[:, :, None].astype(jnp.float32), axis=-2) + (
+            p1[..., n:] * v_new[:, :, None, 0].astype(jnp.float32))  # [B, K, G, D]
+        return out.reshape(b, 1, nq, d).astype(q.dtype), probs
     pv = probs.astype(v_cache.dtype)
     out = jnp.einsum("bkgsn,bknd->bskgd", pv[..., :n], v_cache) + jnp.einsum(
         "bkgst,bktd->bskgd", pv[..., n:], v_new
