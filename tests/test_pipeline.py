@@ -306,3 +306,47 @@ def test_causal_fill_before_the_first_eviction_equals_the_block_path(name, slidi
         np.testing.assert_allclose(a.k, b.k, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(a.v, b.v, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(new[1], old[1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("sinks,window,softcap", [(False, None, None), (True, 3, None), (False, None, 5.0)])
+def test_one_token_attention_equals_numpy(sinks, window, softcap):
+    """Decode's attention (one query token: P.V as multiply + reduce) equals a NumPy softmax over the cache
+    slots + the new token: empty slots and future/out-of-window positions masked, learned sinks in the
+    denominator, logit softcap; a 2-token block through the same function agrees on its first query."""
+    cfg = tiny_config(attn_softcap=softcap)
+    rng = np.random.RandomState(3)
+    b, kh, nq, n, d = 2, cfg.num_kv_heads, cfg.num_heads, 6, cfg.head_dim
+    g = nq // kh
+    q = rng.randn(b, 1, nq, d).astype(np.float32)
+    kc, vc = rng.randn(b, kh, n, d).astype(np.float32), rng.randn(b, kh, n, d).astype(np.float32)
+    kn, vn = rng.randn(b, kh, 1, d).astype(np.float32), rng.randn(b, kh, 1, d).astype(np.float32)
+    pos = np.array([[[0, 1, 2, -1, 4, 5], [3, -1, 1, 0, 5, 4]], [[2, 0, 1, 3, -1, -1], [0, 1, 2, 3, 4, 9]]],
+                   np.int32)  # [B, K, N]; 9 is in row 1's future
+    q_pos = np.array([[6], [5]], np.int32)
+    sink = rng.randn(nq).astype(np.float32) if sinks else None
+    out, probs = tf.attend(jnp.asarray(q), jnp.asarray(q_pos), jnp.asarray(kc), jnp.asarray(vc), jnp.asarray(pos),
+                           jnp.asarray(kn), jnp.asarray(vn), cfg, window, None if sink is None else jnp.asarray(sink))
+    kall, vall = np.concatenate([kc, kn], 2), np.concatenate([vc, vn], 2)  # [B, K, C, D]
+    pall = np.concatenate([pos, np.broadcast_to(q_pos[:, None, :], (b, kh, 1))], 2)  # [B, K, C]
+    want = np.zeros((b, 1, nq, d))
+    for r in range(b):
+        for h in range(nq):
+            kv = h // g
+            lg = kall[r, kv] @ q[r, 0, h] * cfg.attn_scale  # [C]
+            if softcap:
+                lg = np.tanh(lg / softcap) * softcap
+            ok = (pall[r, kv] >= 0) & (pall[r, kv] <= q_pos[r, 0])
+            if window is not None:
+                ok &= q_pos[r, 0] - pall[r, kv] < window
+            e = np.where(ok, np.exp(lg - lg[ok].max()), 0.0)
+            den = e.sum() + (np.exp(sink[h] - lg[ok].max()) if sinks else 0.0)
+            p = e / den
+            np.testing.assert_allclose(np.asarray(probs)[r, kv, h % g, 0], p, rtol=1e-5, atol=1e-7)
+            want[r, 0, h] = p @ vall[r, kv]
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-6)
+    # the block path (S = 2, einsum) gives the first query the same output
+    q2, qp2 = np.concatenate([q, q], 1), np.concatenate([q_pos, q_pos + 1], 1)
+    out2, _ = tf.attend(jnp.asarray(q2), jnp.asarray(qp2), jnp.asarray(kc), jnp.asarray(vc), jnp.asarray(pos),
+                        jnp.asarray(np.concatenate([kn, kn], 2)), jnp.asarray(np.concatenate([vn, vn], 2)), cfg,
+                        window, None if sink is None else jnp.asarray(sink))
+    np.testing.assert_allclose(np.asarray(out2)[:, :1], want, rtol=1e-5, atol=1e-6)
