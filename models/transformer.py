@@ -200,6 +200,11 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array, c
     query heads of one KV head are one [G c, D] matmul operand. The running max starts at MASK_VALUE, so a
     masked logit adds exactly 0 once a visible key has been seen (every real query sees itself); padding
     queries give 0. Learned `sinks` [Nq] start each row's running max and sum (a logit with no value).
+    Without a window, the key chunks below the diagonal are seen whole by every query of the chunk: they get
+    only a per-key padding bias (0 or MASK_VALUE, which absorbs any logit exactly) instead of the causal
+    mask, and the diagonal chunk runs the masked body in a loop of its own (the same compiled body as
+    before, so the output is bit-identical). A power-of-two `attn_scale` is applied to q (exact) instead of
+    to each chunk's logits.
     """
     b, t, nq, d = q.shape
     kh, g = k.shape[2], nq // k.shape[2]
@@ -209,25 +214,39 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array, c
         q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
         pos = jnp.pad(pos, ((0, 0), (0, pad)), constant_values=-1)
     n = (t + pad) // c
+    folded = math.frexp(cfg.attn_scale)[0] == 0.5 and not cfg.attn_softcap  # scale is 2^e: q * scale is exact
+    if folded:
+        q = q * jnp.asarray(cfg.attn_scale, q.dtype)
     qh = q.reshape(b, n, c, kh, g, d).transpose(1, 0, 3, 4, 2, 5).reshape(n, b, kh, g * c, d)  # [n, B, K, Gc, D]
     kc = k.reshape(b, n, c, kh, d).transpose(1, 0, 3, 2, 4)  # [n, B, K, c, D]
     vc = v.reshape(b, n, c, kh, d).transpose(1, 0, 3, 2, 4)
     pc = pos.reshape(b, n, c).transpose(1, 0, 2)  # [n, B, c]
+    bias = jnp.where(pc >= 0, 0.0, MASK_VALUE).astype(jnp.float32)[:, :, None, None, :]  # [n, B, 1, 1, c]
 
     def query_chunk(_, xs):
         qi, pq, i = xs  # [B, K, Gc, D], [B, c]
         qp = jnp.tile(pq, (1, g))[:, None, :, None]  # [B, 1, Gc, 1]: the rows are G heads x c queries
 
-        def key_chunk(j, carry):
-            m, l, acc = carry  # [B, K, Gc], [B, K, Gc], [B, K, Gc, D]
-            s = jnp.einsum("bkqd,bkpd->bkqp", qi, kc[j], preferred_element_type=jnp.float32) * cfg.attn_scale
+        def logits(j):  # [B, K, Gc, c]
+            s = jnp.einsum("bkqd,bkpd->bkqp", qi, kc[j], preferred_element_type=jnp.float32)
+            if not folded:
+                s = s * cfg.attn_scale
             if cfg.attn_softcap:
                 s = jnp.tanh(s / cfg.attn_softcap) * cfg.attn_softcap
+            return s
+
+        def below(j, carry):  # key chunk j < i: every key precedes every query, so only padding is masked
+            return update(carry, logits(j) + bias[j], j)
+
+        def key_chunk(j, carry):
             kp = pc[j][:, None, None, :]  # [B, 1, 1, c]
             mask = (kp >= 0) & (kp <= qp)
             if window is not None:
                 mask &= (qp - kp) < window
-            s = jnp.where(mask, s, MASK_VALUE)
+            return update(carry, jnp.where(mask, logits(j), MASK_VALUE), j)
+
+        def update(carry, s, j):
+            m, l, acc = carry  # [B, K, Gc], [B, K, Gc], [B, K, Gc, D]
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             p = jnp.exp(s - m_new[..., None])
             scale = jnp.exp(m - m_new)
@@ -242,7 +261,11 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array, c
         else:  # rows are G heads x c queries: head g's sink on rows g c .. g c + c - 1
             rows = jnp.repeat(sinks.astype(jnp.float32).reshape(kh, g), c, axis=1)  # [K, Gc]
             m0, l0 = jnp.broadcast_to(rows, shape), jnp.ones(shape, jnp.float32)
-        m, l, acc = jax.lax.fori_loop(first, i + 1, key_chunk, (m0, l0, jnp.zeros(shape + (d,), jnp.float32)))
+        carry = (m0, l0, jnp.zeros(shape + (d,), jnp.float32))
+        if window is None:
+            carry = jax.lax.fori_loop(0, i, below, carry)
+            first = i
+        m, l, acc = jax.lax.fori_loop(first, i + 1, key_chunk, carry)
         out = jnp.where(qp[..., 0, None] >= 0, acc / l[..., None], 0.0)  # [B, K, Gc, D]
         return None, out.reshape(b, kh, g, c, d).transpose(0, 3, 1, 2, 4).reshape(b, c, nq, d).astype(q.dtype)
 

@@ -350,3 +350,41 @@ def test_one_token_attention_equals_numpy(sinks, window, softcap):
                         jnp.asarray(np.concatenate([kn, kn], 2)), jnp.asarray(np.concatenate([vn, vn], 2)), cfg,
                         window, None if sink is None else jnp.asarray(sink))
     np.testing.assert_allclose(np.asarray(out2)[:, :1], want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("sinks,window,softcap,pre", [(False, None, None, 16.0), (True, None, None, 11.0),
+                                                      (False, 7, None, 16.0), (False, None, 5.0, 16.0)])
+def test_causal_attention_equals_numpy(sinks, window, softcap, pre):
+    """Dense prefill's chunked causal attention equals a NumPy softmax per query over the keys it sees: rows
+    left-padded across chunk boundaries (padding keys masked in the chunks below the diagonal too, padding
+    queries 0), sliding window, learned sinks, softcap, and a scale that is (16^-0.5) or is not (11^-0.5) a
+    power of two (the former is folded into q)."""
+    cfg = tiny_config(attn_softcap=softcap, query_pre_attn_scalar=pre)
+    scale = pre ** -0.5
+    rng = np.random.RandomState(4)
+    b, t, nq, kh, d, chunk = 3, 29, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 4
+    g = nq // kh
+    q = rng.randn(b, t, nq, d).astype(np.float32)
+    k, v = rng.randn(b, t, kh, d).astype(np.float32), rng.randn(b, t, kh, d).astype(np.float32)
+    pads = [0, 9, 14]  # row 1 and 2: padding spans whole chunks and ends inside one
+    pos = np.stack([np.concatenate([-np.ones(p), np.arange(t - p)]) for p in pads]).astype(np.int32)
+    sink = rng.randn(nq).astype(np.float32) if sinks else None
+    out = np.asarray(tf.causal_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(pos), cfg,
+                                         window, chunk, None if sink is None else jnp.asarray(sink)))
+    want = np.zeros((b, t, nq, d))
+    for r in range(b):
+        for i in range(t):
+            if pos[r, i] < 0:
+                continue  # padding query: 0
+            for h in range(nq):
+                lg = k[r, :, h // g] @ q[r, i, h] * scale  # [T]
+                if softcap:
+                    lg = np.tanh(lg / softcap) * softcap
+                ok = (pos[r] >= 0) & (pos[r] <= pos[r, i])
+                if window is not None:
+                    ok &= pos[r, i] - pos[r] < window
+                top = lg[ok].max() if not sinks else max(lg[ok].max(), sink[h])
+                e = np.where(ok, np.exp(lg - top), 0.0)
+                p = e / (e.sum() + (np.exp(sink[h] - top) if sinks else 0.0))
+                want[r, i, h] = p @ v[r, :, h // g]
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
