@@ -1,7 +1,7 @@
 """The hybrid's mix for the thesis run, chosen on held-out RULER samples (`vdjax.analyze.select_on_ruler`).
 
 Candidates (`hybrid.candidate_mixes`): the per-layer fit at N=256 and the geometry rule of results/geometry/<model>/,
-ValueDiff, KeyDiff, an even 0.5 mix. Each runs 2 samples of each RULER task but qa (seed 1, not the scored 42;
+ValueDiff, KeyDiff, an even 0.5 mix. Each runs 4 samples of each RULER task but qa (seed 1, not the scored 42;
 qa's questions go by index) at 2048 tokens, N=512, B=128, paper protocol, greedy; the highest mean score wins.
 The chosen mix is written beside this file and copied next to the converted checkpoint, where `vdjax eval
 --policies hybrid` finds it by name:
@@ -24,7 +24,7 @@ HERE = Path(__file__).parent
 ap = argparse.ArgumentParser()
 ap.add_argument("--model", required=True)
 ap.add_argument("--budget", type=int, default=512)
-ap.add_argument("--samples", type=int, default=2)
+ap.add_argument("--samples", type=int, default=4, help="per task (the first selection used 2; the mixes here, 4)")
 args = ap.parse_args()
 
 geo = Path("results/geometry") / args.model
