@@ -388,3 +388,26 @@ def test_causal_attention_equals_numpy(sinks, window, softcap, pre):
                 p = e / (e.sum() + (np.exp(sink[h] - top) if sinks else 0.0))
                 want[r, i, h] = p @ v[r, :, h // g]
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name,budget,sliding", [("dense", None, False), ("dense", None, True),
+                                                 ("valuediff", 64, False), ("snapkv", 64, True), ("h2o", 64, True)])
+def test_layer_scan_equals_unrolled_layers(name, budget, sliding):
+    """`layer_scan=True` (the GPU/TPU default: the layers as a scan over groups of `layer_period` layers, in
+    the causal pass, the block loop and decode) keeps the same positions and generates the same tokens as the
+    unrolled layers, values and logits to rounding; with a sliding : full pattern the group is two layers."""
+    cfg = tiny_config(num_layers=4, vocab_size=400, **(
+        {"layer_types": ("sliding_attention", "full_attention") * 2, "sliding_window": 40} if sliding else {}))
+    assert pipeline.layer_period(cfg) == (2 if sliding else 1)
+    params = random_params(cfg, seed=3)
+    order = np.random.RandomState(2).permutation(cfg.vocab_size).astype(np.int32)
+    ids = [order[:150], order[200:290]]  # ragged rows (150 and 90 tokens), both past N = 64
+    runs = [vdjax.run(params, ids, name, budget, block_size=16, max_new_tokens=12, eos_token_id=[],
+                      layer_scan=scan) for scan in (False, True)]
+    np.testing.assert_array_equal(runs[0].tokens, runs[1].tokens)
+    for a, b in zip(runs[0].cache.layers, runs[1].cache.layers):
+        np.testing.assert_array_equal(a.pos, b.pos)
+        np.testing.assert_allclose(a.k, b.k, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(a.v, b.v, rtol=1e-5, atol=1e-5)
+    pre = [pipeline.prefill(params, ids, name, budget=budget, block_size=16, layer_scan=scan) for scan in (False, True)]
+    np.testing.assert_allclose(pre[0][1], pre[1][1], rtol=1e-4, atol=1e-4)

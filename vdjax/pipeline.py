@@ -241,11 +241,11 @@ def _prefill(params: Params, tokens, lengths, *, policy: Policy, hyper, slots: i
     pos = jnp.arange(t, dtype=jnp.int32)[None, :]
     q_pos = jnp.where(pos < lengths[:, None], pos, -1)  # [B, T]
     if policy.is_dense:  # nothing is evicted, so block boundaries change nothing: one causal pass per layer
-        return _dense_prefill(params, tokens, q_pos, lengths, slots, mesh)
+        return _dense_prefill(params, tokens, q_pos, lengths, slots, mesh, scan)
     per_layer = layer_slots(cfg, slots, policy.is_dense)
     fill = fill_tokens(cfg, policy, per_layer, block, t)
     if fill:  # the blocks before the first eviction: one causal pass (same tokens kept, in the same slots)
-        layers, x = _dense_layers(params, tokens[:, :fill], q_pos[:, :fill], per_layer)
+        layers, x = _dense_layers(params, tokens[:, :fill], q_pos[:, :fill], per_layer, scan)
         cache = KVCache(layers)
         last = jnp.clip(lengths - 1, 0, fill - 1)[:, None, None]
         h_last = jnp.where((lengths <= fill)[:, None], jnp.take_along_axis(x, last, axis=1)[:, 0], 0)  # [B, H]
@@ -286,35 +286,54 @@ def fill_tokens(cfg, policy: Policy, per_layer: tuple[int, ...], block: int, t: 
     return min(room // block * block, t)
 
 
-def _dense_layers(params: Params, tokens, q_pos, slots) -> tuple[tuple, jax.Array]:
+def _dense_layer(cfg, kind: int, lw: dict, x, q_pos, n: int):
+    """One layer of the causal pass over x [B, T, H]: (x, its cache indexed by position with n >= T slots,
+    padding tokens' rows zeroed, or a Gated DeltaNet layer's state). `kind` as in `_layer`."""
+    b, t = q_pos.shape
+    if not cfg.attends(kind):
+        return tf.linear_layer_forward(lw, x, q_pos, LinearState.empty(cfg, b, x.dtype), cfg)
+    inv_freq, window = tf.layer_settings(cfg, kind)
+    x, k, v = tf.causal_layer_forward(lw, x, q_pos, cfg, jnp.asarray(inv_freq), window)  # k, v [B, K, T, D]
+    pos = _drop_dead(jnp.broadcast_to(q_pos[:, None, :], k.shape[:3]), q_pos, window)
+    live = (q_pos >= 0)[:, None, :, None]  # padding rows hold zeros, as the block path leaves them
+    room = [(0, 0), (0, 0), (0, n - t)]
+    return x, LayerCache(jnp.pad(jnp.where(live, k, 0), room + [(0, 0)]),
+                         jnp.pad(jnp.where(live, v, 0), room + [(0, 0)]),
+                         jnp.pad(pos, room, constant_values=-1), jnp.zeros((b, k.shape[1], n), jnp.float32))
+
+
+def _dense_layers(params: Params, tokens, q_pos, slots, scan: bool = False) -> tuple[tuple, jax.Array]:
     """Every layer over tokens [B, T] at q_pos [B, T] in one causal pass: (per-layer caches indexed by position
-    with `slots` (an int, or one per layer) >= T slots, padding tokens' rows zeroed; x [B, T, H])."""
+    with `slots` (an int, or one per layer) >= T slots, padding tokens' rows zeroed; x [B, T, H]). With `scan`
+    the layers run as a `lax.scan` over layer groups (one group compiled, as `_run_layers`)."""
     cfg = params.config
-    b, t = tokens.shape
+    per_layer = (slots,) * cfg.num_layers if isinstance(slots, int) else tuple(slots)
     x = tf.embed(params, tokens)
-    layers = []
-    for i, lw in enumerate(params.weights["layers"]):
-        if not cfg.attends(i):
-            x, state = tf.linear_layer_forward(lw, x, q_pos, LinearState.empty(cfg, b, x.dtype), cfg)
-            layers.append(state)
-            continue
-        n = slots if isinstance(slots, int) else slots[i]
-        inv_freq, window = tf.layer_settings(cfg, i)
-        x, k, v = tf.causal_layer_forward(lw, x, q_pos, cfg, jnp.asarray(inv_freq), window)  # k, v [B, K, T, D]
-        pos = _drop_dead(jnp.broadcast_to(q_pos[:, None, :], k.shape[:3]), q_pos, window)
-        live = (q_pos >= 0)[:, None, :, None]  # padding rows hold zeros, as the block path leaves them
-        room = [(0, 0), (0, 0), (0, n - t)]
-        layers.append(LayerCache(jnp.pad(jnp.where(live, k, 0), room + [(0, 0)]),
-                                 jnp.pad(jnp.where(live, v, 0), room + [(0, 0)]),
-                                 jnp.pad(pos, room, constant_values=-1), jnp.zeros((b, k.shape[1], n), jnp.float32)))
-    return tuple(layers), x
+    if not scan:
+        layers = []
+        for i, lw in enumerate(params.weights["layers"]):
+            x, lc = _dense_layer(cfg, i, lw, x, q_pos, per_layer[i])
+            layers.append(lc)
+        return tuple(layers), x
+    lws = loop_form(cfg, params.weights["layers"], True)
+    p = len(lws)  # layers i and i + p share type, window and RoPE, hence slots
+
+    def group(x, ws):
+        out = []
+        for j in range(p):
+            x, lc = _dense_layer(cfg, j, ws[j], x, q_pos, per_layer[j])
+            out.append(lc)
+        return x, tuple(out)
+
+    x, stacked = jax.lax.scan(group, x, lws)
+    return layer_form(cfg, stacked, True), x
 
 
-def _dense_prefill(params: Params, tokens, q_pos, lengths, slots: int, mesh):
+def _dense_prefill(params: Params, tokens, q_pos, lengths, slots: int, mesh, scan: bool = False):
     """Dense prefill, layer by layer over the whole prompt: causal attention that reads only what each query
     sees (`transformer.causal_attention`), Gated DeltaNet layers in their chunked form. The cache is indexed
     by position (`slots` >= T: room for the tokens to come); sliding layers drop what no later query sees."""
-    layers, x = _dense_layers(params, tokens, q_pos, slots)
+    layers, x = _dense_layers(params, tokens, q_pos, slots, scan)
     h_last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, H]
     return constrain_cache(KVCache(layers), mesh), tf.final_logits(params, h_last)
 
