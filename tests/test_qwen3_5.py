@@ -135,7 +135,7 @@ def test_state_after_blocks_equals_one_pass_and_hf(interval4):
             state = cache[i]
             assert isinstance(state, LinearState)
             np.testing.assert_allclose(state.rec, whole[i].rec, rtol=1e-4, atol=1e-5)
-            np.testing.assert_allclose(state.conv, whole[i].conv, rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(state.conv, whole[i].conv, rtol=1e-4, atol=5e-5)  # block vs one pass rounding
             np.testing.assert_allclose(state.rec, rec, rtol=1e-3, atol=2e-5)  # HF's rule in fp32 too
             np.testing.assert_allclose(state.conv, conv[:, :, 1:].transpose(0, 2, 1), rtol=1e-4, atol=5e-5)
 
