@@ -245,17 +245,16 @@ def _prefill(params: Params, tokens, lengths, *, policy: Policy, hyper, slots: i
     per_layer = layer_slots(cfg, slots, policy.is_dense)
     fill = fill_tokens(cfg, policy, per_layer, block, t)
     if fill:  # the blocks before the first eviction: one causal pass (same tokens kept, in the same slots)
-        layers, x = _dense_layers(params, tokens[:, :fill], q_pos[:, :fill], per_layer, scan)
-        cache = KVCache(layers)
+        caches, x = _dense_layers(params, tokens[:, :fill], q_pos[:, :fill], per_layer, scan, stacked=True)
         last = jnp.clip(lengths - 1, 0, fill - 1)[:, None, None]
         h_last = jnp.where((lengths <= fill)[:, None], jnp.take_along_axis(x, last, axis=1)[:, 0], 0)  # [B, H]
     else:
-        cache = KVCache.for_model(cfg, b, per_layer, params.dtype)
+        caches = loop_form(cfg, KVCache.for_model(cfg, b, per_layer, params.dtype).layers, scan)
         h_last = jnp.zeros((b, cfg.hidden_size), params.dtype)
     nb -= fill // block
     xs = (tokens[:, fill:].reshape(b, nb, block).swapaxes(0, 1), q_pos[:, fill:].reshape(b, nb, block).swapaxes(0, 1))
     lws = loop_form(cfg, params.weights["layers"], scan)  # stacked once, outside the block loop
-    caches = _constrain(loop_form(cfg, cache.layers, scan), mesh, scan)
+    caches = _constrain(caches, mesh, scan)
 
     def block_step(carry, xs):
         tok, qp = xs  # [B, S]
@@ -302,10 +301,12 @@ def _dense_layer(cfg, kind: int, lw: dict, x, q_pos, n: int):
                          jnp.pad(pos, room, constant_values=-1), jnp.zeros((b, k.shape[1], n), jnp.float32))
 
 
-def _dense_layers(params: Params, tokens, q_pos, slots, scan: bool = False) -> tuple[tuple, jax.Array]:
+def _dense_layers(params: Params, tokens, q_pos, slots, scan: bool = False,
+                  stacked: bool = False) -> tuple[tuple, jax.Array]:
     """Every layer over tokens [B, T] at q_pos [B, T] in one causal pass: (per-layer caches indexed by position
     with `slots` (an int, or one per layer) >= T slots, padding tokens' rows zeroed; x [B, T, H]). With `scan`
-    the layers run as a `lax.scan` over layer groups (one group compiled, as `_run_layers`)."""
+    the layers run as a `lax.scan` over layer groups (one group compiled, as `_run_layers`); `stacked` returns
+    the caches in `loop_form` (as the scan leaves them: no split and re-stack for a layer loop that follows)."""
     cfg = params.config
     per_layer = (slots,) * cfg.num_layers if isinstance(slots, int) else tuple(slots)
     x = tf.embed(params, tokens)
@@ -314,7 +315,7 @@ def _dense_layers(params: Params, tokens, q_pos, slots, scan: bool = False) -> t
         for i, lw in enumerate(params.weights["layers"]):
             x, lc = _dense_layer(cfg, i, lw, x, q_pos, per_layer[i])
             layers.append(lc)
-        return tuple(layers), x
+        return tuple(layers), x  # (loop form and layer form agree when unrolled)
     lws = loop_form(cfg, params.weights["layers"], True)
     p = len(lws)  # layers i and i + p share type, window and RoPE, hence slots
 
@@ -325,8 +326,8 @@ def _dense_layers(params: Params, tokens, q_pos, slots, scan: bool = False) -> t
             out.append(lc)
         return x, tuple(out)
 
-    x, stacked = jax.lax.scan(group, x, lws)
-    return layer_form(cfg, stacked, True), x
+    x, groups = jax.lax.scan(group, x, lws)
+    return (groups if stacked else layer_form(cfg, groups, True)), x
 
 
 def _dense_prefill(params: Params, tokens, q_pos, lengths, slots: int, mesh, scan: bool = False):
