@@ -411,3 +411,37 @@ def test_layer_scan_equals_unrolled_layers(name, budget, sliding):
         np.testing.assert_allclose(a.v, b.v, rtol=1e-5, atol=1e-5)
     pre = [pipeline.prefill(params, ids, name, budget=budget, block_size=16, layer_scan=scan) for scan in (False, True)]
     np.testing.assert_allclose(pre[0][1], pre[1][1], rtol=1e-4, atol=1e-4)
+
+
+QWEN3_5_TINY = dict(family="qwen3_5", vocab_size=400, hidden_size=32, intermediate_size=64, num_layers=4,
+                    num_heads=4, num_kv_heads=2, head_dim=8, norm_offset=1.0, qk_norm=True, attn_gate=True,
+                    rotary_dim=4, layer_types=("linear_attention", "full_attention") * 2, linear_num_key_heads=2,
+                    linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel=4,
+                    eos_token_ids=(), max_position_embeddings=4096)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_layer_scan_question_and_continuation(family):
+    """The scanned programs pass the cache on stacked over layer groups (`pipeline.unstack` splits it at the
+    end): the question-agnostic protocol (the stacked cache grown by the question's slots) and teacher-forced
+    continuation log-probabilities equal the unrolled layers', on Llama and on Qwen3.5's Gated DeltaNet :
+    gated-attention pattern (recurrent states in the stacked carry)."""
+    from vdjax.models.config import ModelConfig
+
+    cfg = tiny_config(num_layers=4, vocab_size=400) if family == "llama" else ModelConfig(**QWEN3_5_TINY)
+    params = random_params(cfg, seed=5)
+    order = np.random.RandomState(4).permutation(cfg.vocab_size).astype(np.int32)
+    ids, question, cont = [order[:130], order[140:230]], order[300:311], order[320:330]
+    runs = [vdjax.run(params, ids, "valuediff", 48, block_size=16, max_new_tokens=10, eos_token_id=[],
+                      question=question, layer_scan=scan) for scan in (False, True)]
+    np.testing.assert_array_equal(runs[0].tokens, runs[1].tokens)
+    assert len(runs[1].cache.layers) == cfg.num_layers and runs[0].budget == runs[1].budget == 48 + 32
+    for a, b in zip(runs[0].cache.layers, runs[1].cache.layers):
+        assert type(a) is type(b)
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            assert x.shape == y.shape
+            np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=1e-4, atol=1e-4)
+    lp = [pipeline.continuation_logprobs(params, ids, cont, "keydiff", 48, 16, layer_scan=scan)
+          for scan in (False, True)]
+    np.testing.assert_allclose(lp[0], lp[1], rtol=1e-4, atol=1e-4)
+    assert lp[0].shape == (2, len(cont)) and np.all(lp[0] < 0)

@@ -158,6 +158,11 @@ def _child(group: str) -> dict:
                          "cache_k": _spec(cache.layers[0].k), "cache_pos": _spec(cache.layers[1].pos),
                          "tokens_devices": len(placed.tokens.sharding.device_set),
                          "tokens_shard_rows": placed.tokens.addressable_shards[0].data.shape[0]}
+        # the layer scan (the GPU/TPU default) on the mesh: the cache carry stacked over layers, split at the end
+        out["2x4_scan"] = {p: _summary(vdjax.run(params, ids, p, mesh=mesh, layer_scan=True, **RUN, **POLICIES[p]))
+                           for p in ("valuediff", "h2o", "dense")}
+        cache, _ = vdjax.prefill(params, ids, "valuediff", mesh=mesh, block_size=8, budget=12, layer_scan=True)
+        out["specs"]["cache_k_scan"] = _spec(cache.layers[0].k)
     else:  # data 8: rows padded 6 -> 8; 2 KV heads on a 4-way model axis: attention replicated, MLP split
         out["8x1"] = _runs(4, POLICIES, sharding.make_mesh(data=8, model=1))
         out["extra"] = _extra(sharding.make_mesh(data=8, model=1))
@@ -209,6 +214,17 @@ def test_mesh_run_equals_single_device(results, policy, mesh):
     assert have["rows"] == len(LENGTHS)  # 8x1's padding rows are dropped from the returned cache
     assert have["tokens"] == want["tokens"]
     _same_kept(have["kept"], want["kept"])
+
+
+@pytest.mark.parametrize("policy", ["valuediff", "h2o", "dense"])
+def test_mesh_layer_scan_equals_single_device(results, policy):
+    """`layer_scan=True` on a 2x4 mesh (the accelerators' default) against one device with the layers unrolled:
+    same tokens and kept positions, the returned cache split per layer and still sharded rows x heads."""
+    ref, got = results
+    want, have = ref["kv4"][policy], got["2x4_scan"][policy]
+    assert have["rows"] == len(LENGTHS) and have["tokens"] == want["tokens"]
+    _same_kept(have["kept"], want["kept"])
+    assert got["specs"]["cache_k_scan"] == ["data", "model"]
 
 
 def _same_kept(have: list, want: list) -> None:

@@ -182,6 +182,26 @@ def layer_form(cfg, stacked: tuple, scan: bool) -> tuple:
                  for j in range(p))
 
 
+@jax.jit
+def _group(tree, g):
+    """Group g [] of a loop-form pytree (leaves [L / p, ...]) -> its leaves [...]: one small program per tree
+    shape, called once per group."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, g, keepdims=False), tree)
+
+
+def unstack(cfg, cache: KVCache, scan: bool) -> KVCache:
+    """Outside jit: a cache in `loop_form` (as the scanned programs pass it on) -> one entry per layer.
+
+    Inside a program the same split is one slice kernel per layer and array (120 for SmolLM2's 30 layers,
+    ~1 s of XLA:CPU compile time per program); here it runs `_group` with a traced index, compiled once.
+    """
+    if not scan:
+        return cache
+    p = len(cache.layers)
+    groups = [[_group(cache.layers[j], jnp.int32(g)) for j in range(p)] for g in range(cfg.num_layers // p)]
+    return KVCache(tuple(lc for group in groups for lc in group))
+
+
 def _run_layers(cfg, policy: Policy, hyper, lws: tuple, caches: tuple, x, q_pos, scan: bool):
     """All layers over one block x [B, S, H] at positions q_pos [B, S], evicting after each layer's attention;
     `lws`, `caches` in `loop_form`. Returns (x, new caches in loop form).
@@ -234,6 +254,7 @@ def _prefill(params: Params, tokens, lengths, *, policy: Policy, hyper, slots: i
     """tokens [B, nb*S] (row r real up to lengths[r]) -> (cache with `slots` slots, last logits [B, V]).
 
     With a mesh the cache carry is pinned to `sharding.cache_sharding` (rows on "data", KV heads on "model").
+    The cache comes back in `loop_form` (stacked over layer groups with `scan`: `unstack` splits it).
     """
     cfg = params.config
     b, t = tokens.shape
@@ -270,7 +291,7 @@ def _prefill(params: Params, tokens, lengths, *, policy: Policy, hyper, slots: i
         return jax.lax.cond(jnp.any(qp >= 0), run, lambda c: c, carry), None
 
     (caches, h_last), _ = jax.lax.scan(block_step, (caches, h_last), xs)
-    return KVCache(layer_form(cfg, caches, scan)), tf.final_logits(params, h_last)
+    return KVCache(caches), tf.final_logits(params, h_last)
 
 
 def fill_tokens(cfg, policy: Policy, per_layer: tuple[int, ...], block: int, t: int) -> int:
@@ -333,10 +354,11 @@ def _dense_layers(params: Params, tokens, q_pos, slots, scan: bool = False,
 def _dense_prefill(params: Params, tokens, q_pos, lengths, slots: int, mesh, scan: bool = False):
     """Dense prefill, layer by layer over the whole prompt: causal attention that reads only what each query
     sees (`transformer.causal_attention`), Gated DeltaNet layers in their chunked form. The cache is indexed
-    by position (`slots` >= T: room for the tokens to come); sliding layers drop what no later query sees."""
-    layers, x = _dense_layers(params, tokens, q_pos, slots, scan)
+    by position (`slots` >= T: room for the tokens to come); sliding layers drop what no later query sees.
+    The cache in `loop_form`."""
+    layers, x = _dense_layers(params, tokens, q_pos, slots, scan, stacked=True)
     h_last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, H]
-    return constrain_cache(KVCache(layers), mesh), tf.final_logits(params, h_last)
+    return constrain_cache(KVCache(layers), mesh, stacked=scan), tf.final_logits(params, h_last)
 
 
 @functools.partial(jax.jit, static_argnames=("policy", "hyper", "mesh", "scan"))
@@ -344,22 +366,23 @@ def _extend(params: Params, cache: KVCache, tokens, q_pos, *, policy: Policy, hy
     """Append one block tokens [B, S] at positions q_pos [B, S] (-1 = padding) -> (cache, last logits [B, V]).
 
     Used for the question of the question-agnostic protocol: the cache has room for every question token,
-    so the policy scores them but evicts nothing.
+    so the policy scores them but evicts nothing. The cache in and out in `loop_form`.
     """
     cfg = params.config
-    caches = _constrain(loop_form(cfg, cache.layers, scan), mesh, scan)
+    caches = _constrain(cache.layers, mesh, scan)
     x, caches = _run_layers(cfg, policy, hyper, loop_form(cfg, params.weights["layers"], scan), caches,
                             tf.embed(params, tokens), q_pos, scan)
     caches = _constrain(caches, mesh, scan)
     is_last = q_pos == jnp.max(q_pos, axis=1, keepdims=True)  # [B, S]
-    return (KVCache(layer_form(cfg, caches, scan)),
-            tf.final_logits(params, jnp.sum(jnp.where(is_last[..., None], x, 0), axis=1)))
+    return KVCache(caches), tf.final_logits(params, jnp.sum(jnp.where(is_last[..., None], x, 0), axis=1))
 
 
-def _grow(cache: KVCache, extra: int) -> KVCache:
-    """The cache with `extra` empty slots appended to every attention layer and head."""
+def _grow(cache: KVCache, extra: int, scan: bool = False) -> KVCache:
+    """The cache (in `loop_form`) with `extra` empty slots appended to every attention layer and head."""
+    lead = 3 if scan else 2  # [G,] B, K before the slot axis
+
     def pad(a, value):
-        return jnp.pad(a, [(0, 0)] * 2 + [(0, extra)] + [(0, 0)] * (a.ndim - 3), constant_values=value)
+        return jnp.pad(a, [(0, 0)] * lead + [(0, extra)] + [(0, 0)] * (a.ndim - lead - 1), constant_values=value)
 
     return KVCache(tuple(LayerCache(pad(lc.k, 0), pad(lc.v, 0), pad(lc.pos, -1), pad(lc.acc, 0))
                          if isinstance(lc, LayerCache) else lc for lc in cache.layers))
@@ -392,7 +415,7 @@ def _decode(params, cache, logits, lengths, key, eos, pad, max_new, *, policy, h
 
     The first `min_new` tokens cannot be EOS (their EOS logits are masked, as HF's min_new_tokens).
     `live` [B] bool (None = all): rows marked False (the mesh's padding rows) count as done from the start.
-    With a mesh the cache carry is pinned to `sharding.cache_sharding`.
+    With a mesh the cache carry is pinned to `sharding.cache_sharding`. The cache in and out in `loop_form`.
     """
     b = logits.shape[0]
     is_eos = jnp.zeros((logits.shape[-1],), bool).at[eos].set(True, mode="drop")  # [V]
@@ -424,15 +447,16 @@ def _decode(params, cache, logits, lengths, key, eos, pad, max_new, *, policy, h
         nxt = jnp.where(done, pad, nxt)
         return i + 1, caches, nxt, done | jnp.isin(nxt, eos), out.at[:, i].set(nxt), key
 
-    caches = _constrain(loop_form(cfg, cache.layers, scan), mesh, scan)
+    caches = _constrain(cache.layers, mesh, scan)
     i, caches, _, _, out, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), caches, first, done, out, key))
-    return out, i, KVCache(layer_form(cfg, caches, scan))
+    return out, i, KVCache(caches)
 
 
 @functools.partial(jax.jit, static_argnames=("policy", "hyper", "scan"))
 def _forced(params, cache, logits, lengths, cont, *, policy, hyper, scan: bool = False):
     """Teacher-forced log p(cont[:, j] | prompt, cont[:, :j]) [B, C] from the prefill's last logits [B, V]:
-    each continuation token is fed as a decode step feeds its sample (one eviction per layer per token)."""
+    each continuation token is fed as a decode step feeds its sample (one eviction per layer per token). The
+    cache in `loop_form`."""
     cfg = params.config
     lws = loop_form(cfg, params.weights["layers"], scan)
 
@@ -449,7 +473,7 @@ def _forced(params, cache, logits, lengths, cont, *, policy, hyper, scan: bool =
     c = cont.shape[1]
     first = logprob(logits, cont[:, 0])
     xs = (jnp.arange(c - 1), cont[:, :-1].T, cont[:, 1:].T)  # step j feeds cont[:, j], predicts cont[:, j + 1]
-    _, rest = jax.lax.scan(step, loop_form(cfg, cache.layers, scan), xs)  # rest [C - 1, B]
+    _, rest = jax.lax.scan(step, cache.layers, xs)  # rest [C - 1, B]
     return jnp.concatenate([first[:, None], rest.T], axis=1)
 
 
@@ -639,8 +663,9 @@ def prefill(
     """
     p = plan(params, ids, policy, budget, block_size, 0, attention_mask, layer_scan, **policy_kwargs)
     x = place(params, p.tokens, p.lengths, mesh)
-    return x.real(_prefill(x.params, x.tokens, x.lengths, policy=p.policy, hyper=p.hyper, slots=p.slots,
-                           block=p.block, scan=p.scan, **x.jit_kw))
+    cache, logits = _prefill(x.params, x.tokens, x.lengths, policy=p.policy, hyper=p.hyper, slots=p.slots,
+                             block=p.block, scan=p.scan, **x.jit_kw)
+    return x.real((unstack(params.config, cache, p.scan), logits))
 
 
 @dataclasses.dataclass
@@ -656,7 +681,8 @@ class PrefillProgram:
     plan: Plan
 
     def __call__(self):
-        return self.compiled(*self.inputs)
+        cache, logits = self.compiled(*self.inputs)
+        return unstack(self.inputs[0].config, cache, self.plan.scan), logits  # inputs[0]: the params
 
 
 def compile_prefill(
@@ -729,7 +755,7 @@ def _append_question(x: Placed, p: Plan, cache: KVCache, q_ids: np.ndarray, extr
     q_pos = np.where(steps_q < q_len, x.host_lengths[:, None] + steps_q, -1)
     slots = p.slots
     if not p.policy.is_dense:
-        cache, slots = _grow(cache, extra_q), slots + extra_q
+        cache, slots = _grow(cache, extra_q, p.scan), slots + extra_q
     cache, logits = _extend(x.params, cache, jax.device_put(q_tokens), jax.device_put(q_pos.astype(np.int32)),
                             policy=p.policy, hyper=p.hyper, scan=p.scan, **x.jit_kw)
     return cache, logits, slots
@@ -799,7 +825,7 @@ def run(
     out = np.asarray(out)
     t2 = time.perf_counter()
     steps = int(steps)
-    out, cache = x.real((out, cache))
+    out, cache = x.real((out, unstack(params.config, cache, p.scan)))
     return Generation(out[:, :steps], cache, t1 - t0, t2 - t1, steps - 1, p.policy.name, p.hyper, slots)
 
 
