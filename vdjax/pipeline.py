@@ -173,15 +173,6 @@ def loop_form(cfg, layers: tuple, scan: bool) -> tuple:
     return tuple(jax.tree.map(lambda *a: jnp.stack(a), *layers[j::p]) for j in range(p))
 
 
-def layer_form(cfg, stacked: tuple, scan: bool) -> tuple:
-    """Inverse of `loop_form`: one pytree per layer."""
-    if not scan:
-        return tuple(stacked)
-    p = len(stacked)
-    return tuple(jax.tree.map(lambda a, g=g: a[g], stacked[j]) for g in range(cfg.num_layers // p)
-                 for j in range(p))
-
-
 @jax.jit
 def _group(tree, g):
     """Group g [] of a loop-form pytree (leaves [L / p, ...]) -> its leaves [...]: one small program per tree
@@ -190,7 +181,7 @@ def _group(tree, g):
 
 
 def unstack(cfg, cache: KVCache, scan: bool) -> KVCache:
-    """Outside jit: a cache in `loop_form` (as the scanned programs pass it on) -> one entry per layer.
+    """Outside jit, the inverse of `loop_form`: a cache as the scanned programs pass it on -> one entry per layer.
 
     Inside a program the same split is one slice kernel per layer and array (120 for SmolLM2's 30 layers,
     ~1 s of XLA:CPU compile time per program); here it runs `_group` with a traced index, compiled once.
@@ -266,7 +257,7 @@ def _prefill(params: Params, tokens, lengths, *, policy: Policy, hyper, slots: i
     per_layer = layer_slots(cfg, slots, policy.is_dense)
     fill = fill_tokens(cfg, policy, per_layer, block, t)
     if fill:  # the blocks before the first eviction: one causal pass (same tokens kept, in the same slots)
-        caches, x = _dense_layers(params, tokens[:, :fill], q_pos[:, :fill], per_layer, scan, stacked=True)
+        caches, x = _dense_layers(params, tokens[:, :fill], q_pos[:, :fill], per_layer, scan)
         last = jnp.clip(lengths - 1, 0, fill - 1)[:, None, None]
         h_last = jnp.where((lengths <= fill)[:, None], jnp.take_along_axis(x, last, axis=1)[:, 0], 0)  # [B, H]
     else:
@@ -322,12 +313,10 @@ def _dense_layer(cfg, kind: int, lw: dict, x, q_pos, n: int):
                          jnp.pad(pos, room, constant_values=-1), jnp.zeros((b, k.shape[1], n), jnp.float32))
 
 
-def _dense_layers(params: Params, tokens, q_pos, slots, scan: bool = False,
-                  stacked: bool = False) -> tuple[tuple, jax.Array]:
-    """Every layer over tokens [B, T] at q_pos [B, T] in one causal pass: (per-layer caches indexed by position
-    with `slots` (an int, or one per layer) >= T slots, padding tokens' rows zeroed; x [B, T, H]). With `scan`
-    the layers run as a `lax.scan` over layer groups (one group compiled, as `_run_layers`); `stacked` returns
-    the caches in `loop_form` (as the scan leaves them: no split and re-stack for a layer loop that follows)."""
+def _dense_layers(params: Params, tokens, q_pos, slots, scan: bool = False) -> tuple[tuple, jax.Array]:
+    """Every layer over tokens [B, T] at q_pos [B, T] in one causal pass: (caches in `loop_form`, indexed by
+    position with `slots` (an int, or one per layer) >= T slots, padding tokens' rows zeroed; x [B, T, H]).
+    With `scan` the layers run as a `lax.scan` over layer groups (one group compiled, as `_run_layers`)."""
     cfg = params.config
     per_layer = (slots,) * cfg.num_layers if isinstance(slots, int) else tuple(slots)
     x = tf.embed(params, tokens)
@@ -336,7 +325,7 @@ def _dense_layers(params: Params, tokens, q_pos, slots, scan: bool = False,
         for i, lw in enumerate(params.weights["layers"]):
             x, lc = _dense_layer(cfg, i, lw, x, q_pos, per_layer[i])
             layers.append(lc)
-        return tuple(layers), x  # (loop form and layer form agree when unrolled)
+        return tuple(layers), x  # (unrolled, the loop form is one entry per layer)
     lws = loop_form(cfg, params.weights["layers"], True)
     p = len(lws)  # layers i and i + p share type, window and RoPE, hence slots
 
@@ -348,7 +337,7 @@ def _dense_layers(params: Params, tokens, q_pos, slots, scan: bool = False,
         return x, tuple(out)
 
     x, groups = jax.lax.scan(group, x, lws)
-    return (groups if stacked else layer_form(cfg, groups, True)), x
+    return groups, x
 
 
 def _dense_prefill(params: Params, tokens, q_pos, lengths, slots: int, mesh, scan: bool = False):
@@ -356,7 +345,7 @@ def _dense_prefill(params: Params, tokens, q_pos, lengths, slots: int, mesh, sca
     sees (`transformer.causal_attention`), Gated DeltaNet layers in their chunked form. The cache is indexed
     by position (`slots` >= T: room for the tokens to come); sliding layers drop what no later query sees.
     The cache in `loop_form`."""
-    layers, x = _dense_layers(params, tokens, q_pos, slots, scan, stacked=True)
+    layers, x = _dense_layers(params, tokens, q_pos, slots, scan)
     h_last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, H]
     return constrain_cache(KVCache(layers), mesh, stacked=scan), tf.final_logits(params, h_last)
 
