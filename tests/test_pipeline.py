@@ -413,6 +413,27 @@ def test_layer_scan_equals_unrolled_layers(name, budget, sliding):
     np.testing.assert_allclose(pre[0][1], pre[1][1], rtol=1e-4, atol=1e-4)
 
 
+def test_scan_form_stacks_once_and_is_what_scanned_programs_read():
+    """`pipeline.scan_form`: the layers stacked over groups of `layer_period` (leaf [L / p, ...] equal to layers
+    j, j + p, ...), made once per params object (the same object back), read by the scanned programs (same
+    tokens as unrolled plain params) and refused, with the argument named, by unrolled ones."""
+    cfg = tiny_config(num_layers=4, vocab_size=400, layer_types=("sliding_attention", "full_attention") * 2,
+                      sliding_window=40)
+    params = random_params(cfg, seed=5)
+    sf = pipeline.scan_form(params)
+    assert pipeline.scan_form(params) is sf and "layers" not in sf.weights and len(sf.weights["layer_groups"]) == 2
+    for j in range(2):
+        for name, leaf in sf.weights["layer_groups"][j].items():
+            want = np.stack([np.asarray(params.weights["layers"][i][name]) for i in (j, j + 2)])
+            np.testing.assert_array_equal(np.asarray(leaf), want)
+    ids = np.random.RandomState(4).randint(0, cfg.vocab_size, 120).astype(np.int32)
+    plain = vdjax.generate(params, ids, "valuediff", 48, 16, 8, eos_token_id=[], layer_scan=False)
+    np.testing.assert_array_equal(vdjax.generate(sf, ids, "valuediff", 48, 16, 8, eos_token_id=[], layer_scan=True),
+                                  plain)
+    with pytest.raises(ValueError, match="layer_scan=True"):
+        vdjax.generate(sf, ids, "valuediff", 48, 16, 8, eos_token_id=[], layer_scan=False)
+
+
 QWEN3_5_TINY = dict(family="qwen3_5", vocab_size=400, hidden_size=32, intermediate_size=64, num_layers=4,
                     num_heads=4, num_kv_heads=2, head_dim=8, norm_offset=1.0, qk_norm=True, attn_gate=True,
                     rotary_dim=4, layer_types=("linear_attention", "full_attention") * 2, linear_num_key_heads=2,
