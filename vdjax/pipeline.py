@@ -195,6 +195,8 @@ def scan_form(params: Params, mesh=None) -> Params:
     stacked copy lives as long as `params` does: one more copy of the layer weights at rest, the same peak
     (the programs held that copy while they ran).
     """
+    if "layer_groups" in params.weights:  # already in scan form
+        return params
     memo = params.__dict__.setdefault("_scan_forms", {})  # Params is frozen: the cache sits beside its fields
     if mesh in memo:
         return memo[mesh]
@@ -655,8 +657,8 @@ def place(params: Params, tokens: np.ndarray, lengths: np.ndarray, mesh=None, sc
     over "data". Dummy rows hold row 0's first token, length 1 (rows evict independently: they change nothing).
     Without a mesh: the inputs as device arrays, nothing padded. With `scan` the params in `scan_form`.
     """
-    if scan and "layer_groups" not in params.weights:
-        params = scan_form(params, mesh)  # kept on params: stacked once, not in every program call
+    if scan:
+        params = scan_form(params, mesh)  # kept on params: stacked (and sharded) once, not in every program call
     if mesh is None:
         # device_put, not jnp.asarray: the latter compiles a small staging program per new shape
         return Placed(params, jax.device_put(tokens), jax.device_put(lengths), lengths, tokens.shape[0], None)
@@ -669,9 +671,8 @@ def place(params: Params, tokens: np.ndarray, lengths: np.ndarray, mesh=None, sc
         lengths = np.concatenate([lengths, np.ones(extra, lengths.dtype)])
     rows = batch_sharding(mesh)
     live = jax.device_put(np.arange(b + extra) < b, rows) if extra else None
-    params = params if "layer_groups" in params.weights else shard_params(params, mesh)  # scan_form shards
-    return Placed(params, jax.device_put(tokens, rows), jax.device_put(lengths, rows),
-                  lengths, b, live, mesh)
+    params = params if scan else shard_params(params, mesh)  # scan_form sharded them already
+    return Placed(params, jax.device_put(tokens, rows), jax.device_put(lengths, rows), lengths, b, live, mesh)
 
 
 # ---- public API -----------------------------------------------------------------------------------------
