@@ -43,3 +43,15 @@ def test_compile_cache_off(tmp_path):
                                                   ("off", True, False), ("on", True, True)])
 def test_layer_scan_flag(flag, one_shot, want):
     assert _layer_scan(argparse.Namespace(layer_scan=flag), one_shot) is want
+
+
+def test_compile_split_keeps_a_background_compile_out_of_the_prefill_time():
+    """A call prefilled in [0, 10] and decoded in [10, 14] on thread 1: its own compiles in [0, 3] (prefill) and
+    [11, 12] (decode); thread 2 compiled the decode program in [4, 11] while the prefill ran (from 10 to 11 the
+    decode waited for it). Prefill time loses 3 s, decode time 2 s (10-12), the total is 3 + 7 + 1 = 11 s."""
+    from vdjax.compilation import compile_split, union_seconds
+
+    spans = [(0.0, 3.0, 1), (4.0, 11.0, 2), (11.0, 12.0, 1)]
+    assert compile_split(spans, 0.0, 10.0, 14.0, me=1) == (3.0, 2.0, 11.0)
+    assert compile_split([(0.0, 3.0, 1), (2.0, 5.0, 1)], 0.0, 4.0, 6.0, me=1) == (4.0, 1.0, 5.0)  # overlaps once
+    assert union_seconds([(5.0, 9.0), (1.0, 2.0)], 3.0, 8.0) == 3.0

@@ -156,6 +156,41 @@ def test_same_bucket_compiles_nothing_new(model):
     assert [pipeline.bucket(n) for n in (1, 2, 3, 4, 5, 7, 9, 13, 17, 25)] == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
 
 
+def _started(thread):
+    thread.start()
+    return thread
+
+
+def test_compile_behind_compiles_once_for_the_later_call(model, prompts, monkeypatch):
+    """The decode program compiled in a thread while the prefill runs is the one the call then uses: a run
+    compiles as many programs with the thread as without it, and gives the same tokens."""
+    f = jax.jit(lambda a, *, k: a * k, static_argnames="k")
+    x = jnp.arange(3.0)
+    seen = len(pipeline._BEHIND)
+    pipeline.compile_behind(f, (x,), {"k": 2}).join()
+    with count_compiles() as n:
+        np.testing.assert_array_equal(np.asarray(f(x, k=2)), [0.0, 2.0, 4.0])
+    assert n.value == 0 and len(pipeline._BEHIND) == seen + 1
+    pipeline.compile_behind(f, (x,), {"k": 2}).join()  # seen before: nothing to do
+    assert len(pipeline._BEHIND) == seen + 1
+    pipeline.compile_behind(f, ("not an array",), {"k": 2}).join()  # fails in the thread, silently
+    with pytest.raises(TypeError):
+        f("not an array", k=2)  # ... and the call itself raises
+
+    def counted(budget):
+        with count_compiles() as n:
+            tokens = vdjax.generate(model, prompts, "keynorm", budget, 8, max_new_tokens=NEW)
+        return n.value, tokens
+
+    counted(17)  # the small programs every first run compiles (key, staging) out of the way
+    with_thread = counted(19)
+    monkeypatch.setattr(pipeline, "compile_behind", lambda *a: _started(pipeline.threading.Thread()))
+    without = counted(18)
+    assert with_thread[0] == without[0] >= 2
+    monkeypatch.undo()
+    np.testing.assert_array_equal(counted(19)[1], with_thread[1])
+
+
 def test_eos_stops_and_pads(model, prompts, dense_tokens):
     eos = int(dense_tokens[0, 2])
     out = vdjax.generate(model, prompts[0], policy="dense", max_new_tokens=NEW, eos_token_id=eos)
@@ -413,7 +448,7 @@ def test_layer_scan_equals_unrolled_layers(name, budget, sliding):
     np.testing.assert_allclose(pre[0][1], pre[1][1], rtol=1e-4, atol=1e-4)
 
 
-def test_scan_form_stacks_once_and_is_what_scanned_programs_read():
+def test_scan_form_stacks_once_and_is_what_scanned_programs_read(monkeypatch):
     """`pipeline.scan_form`: the layers stacked over groups of `layer_period` (leaf [L / p, ...] equal to layers
     j, j + p, ...), made once per params object (the same object back), read by the scanned programs (same
     tokens as unrolled plain params) and refused, with the argument named, by unrolled ones."""
@@ -432,6 +467,10 @@ def test_scan_form_stacks_once_and_is_what_scanned_programs_read():
                                   plain)
     with pytest.raises(ValueError, match="layer_scan=True"):
         vdjax.generate(sf, ids, "valuediff", 48, 16, 8, eos_token_id=[], layer_scan=False)
+    monkeypatch.setattr(pipeline, "shard_params", None)  # refused before the mesh shards anything
+    with pytest.raises(ValueError, match="layer_scan=True"):
+        vdjax.generate(sf, ids, "valuediff", 48, 16, 8, eos_token_id=[], layer_scan=False,
+                       mesh=vdjax.sharding.make_mesh(data=1, model=1))
 
 
 QWEN3_5_TINY = dict(family="qwen3_5", vocab_size=400, hidden_size=32, intermediate_size=64, num_layers=4,

@@ -163,8 +163,8 @@ def _add_model_args(p, default: str = "smollm2-135m") -> None:
 def _add_layer_scan(p, auto: str) -> None:
     """--layer-scan auto|on|off; `auto` is documented per command."""
     p.add_argument("--layer-scan", choices=("auto", "on", "off"), default="auto",
-                   help="scan over layers (on CPU: compiles ~2.4x faster, prefill ~8 %%, decode 18-43 %% slower) "
-                        f"or unroll them; auto: {auto}")
+                   help="scan over layers (on CPU: compiles 2.4-3.6x faster, but prefill ~7 %% and decode "
+                        f"~2x slower) or unroll them; auto: {auto}")
 
 
 def _layer_scan(args, one_shot: bool) -> bool | None:

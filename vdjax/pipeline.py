@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 import time
 from typing import Any, Sequence
 
@@ -36,8 +37,9 @@ from vdjax.sharding import batch_sharding, check_mesh, constrain_cache, param_sh
 
 def default_layer_scan() -> bool:
     """Whether prefill/decode scan over layer groups by default: not on XLA:CPU (measured, bench/README.md:
-    compiles 2.4x faster but runs prefill 35 % and decode 2.7x slower, as each step copies its weight slice),
-    yes on GPU/TPU (one compiled group instead of L unrolled layers; a slice there is a cheap device copy)."""
+    SmolLM2's valuediff compiles 8.8 s scanned against 31.7 s unrolled on a slow host, but each scan step
+    copies its layer's weight slice before the products: batch-1 decode runs ~1.9x slower), yes on GPU/TPU
+    (one compiled group instead of L unrolled layers; a slice there is a cheap device copy)."""
     return jax.default_backend() != "cpu"
 
 
@@ -178,12 +180,19 @@ def layer_weights(params: Params, scan: bool) -> tuple:
     """Inside a program: the layers' weight dicts in `loop_form`. Params from `scan_form` already hold them so
     (weights["layer_groups"]: read in place); plain params are stacked here, one copy of the layer weights per
     call of a scanned program."""
-    if "layer_groups" in params.weights:
-        if not scan:
-            raise ValueError("params in scan form (weights['layer_groups'], from pipeline.scan_form) need "
-                             "layer_scan=True; pass the params vdjax.load returned for unrolled layers")
+    if _in_scan_form(params, scan):
         return params.weights["layer_groups"]
     return loop_form(params.config, params.weights["layers"], scan)
+
+
+def _in_scan_form(params: Params, scan: bool) -> bool:
+    """Whether params hold their layers in `scan_form`; a clear error where the program unrolls them."""
+    if "layer_groups" not in params.weights:
+        return False
+    if not scan:
+        raise ValueError("params in scan form (weights['layer_groups'], from pipeline.scan_form) need "
+                         "layer_scan=True; pass the params vdjax.load returned for unrolled layers")
+    return True
 
 
 def scan_form(params: Params, mesh=None) -> Params:
@@ -305,6 +314,8 @@ def _prefill(params: Params, tokens, lengths, *, policy: Policy, hyper, slots: i
         caches = loop_form(cfg, KVCache.for_model(cfg, b, per_layer, params.dtype).layers, scan)
         h_last = jnp.zeros((b, cfg.hidden_size), params.dtype)
     nb -= fill // block
+    if nb == 0:  # the whole prompt fits the cache: no block loop to compile
+        return KVCache(_constrain(caches, mesh, scan)), tf.final_logits(params, h_last)
     xs = (tokens[:, fill:].reshape(b, nb, block).swapaxes(0, 1), q_pos[:, fill:].reshape(b, nb, block).swapaxes(0, 1))
     lws = layer_weights(params, scan)  # in loop form, outside the block loop
     caches = _constrain(caches, mesh, scan)
@@ -659,6 +670,7 @@ def place(params: Params, tokens: np.ndarray, lengths: np.ndarray, mesh=None, sc
     """
     if scan:
         params = scan_form(params, mesh)  # kept on params: stacked (and sharded) once, not in every program call
+    _in_scan_form(params, scan)  # unrolled programs refuse scan-form params before anything is sharded
     if mesh is None:
         # device_put, not jnp.asarray: the latter compiles a small staging program per new shape
         return Placed(params, jax.device_put(tokens), jax.device_put(lengths), lengths, tokens.shape[0], None)
@@ -793,6 +805,32 @@ def _append_question(x: Placed, p: Plan, cache: KVCache, q_ids: np.ndarray, extr
     return cache, logits, slots
 
 
+_BEHIND: set = set()  # signatures compile_behind has compiled (a later call finds them in the jit cache)
+
+
+def compile_behind(fn, args: tuple, kwargs: dict) -> threading.Thread:
+    """Trace, lower and compile the jitted `fn` for these arguments in a thread (returned, started), so that a
+    program compiles while the device still runs the one before it; a later `fn(*args, **kwargs)` then finds it
+    compiled. The arrays may still be computing: only their shapes, types and shardings are read. A signature
+    seen before starts an empty thread (its program is compiled already)."""
+    def aval(a):  # an array's shape, type and placement; a static argument as it is (hashable, as jit needs)
+        return (a.shape, a.dtype, getattr(a, "sharding", None)) if isinstance(a, (jax.Array, np.ndarray)) else a
+
+    leaves, tree = jax.tree.flatten(args)
+    sig = (fn, tree, tuple(map(aval, leaves)), tuple(sorted((k, aval(v)) for k, v in kwargs.items())))
+
+    def work():
+        try:
+            fn.lower(*args, **kwargs).compile()
+            _BEHIND.add(sig)
+        except Exception:  # noqa: BLE001 -- the call itself compiles again and raises the same error there
+            pass
+
+    thread = threading.Thread(target=None if sig in _BEHIND else work, name=f"compile-{fn.__name__}", daemon=True)
+    thread.start()
+    return thread
+
+
 def run(
     params: Params,
     ids,
@@ -847,13 +885,15 @@ def run(
     if q_ids is not None:
         cache, logits, slots = _append_question(x, p, cache, q_ids, extra_q)
         lengths = lengths + q_ids.shape[1]
+    padded = {} if x.live is None else {"live": x.live}
+    args = (params, cache, logits, lengths, key, eos, pad, jax.device_put(np.int32(max_new)))
+    statics = dict(policy=p.policy, hyper=p.hyper, max_out=max_out, temperature=float(temperature),
+                   top_k=int(top_k), top_p=float(top_p), min_new=min_new, scan=p.scan, **x.jit_kw, **padded)
+    behind = compile_behind(_decode, args, statics)  # while the prefill runs
     logits.block_until_ready()
     t1 = time.perf_counter()
-    padded = {} if x.live is None else {"live": x.live}
-    out, steps, cache = _decode(params, cache, logits, lengths, key, eos, pad, jax.device_put(np.int32(max_new)),
-                                policy=p.policy, hyper=p.hyper, max_out=max_out, temperature=float(temperature),
-                                top_k=int(top_k), top_p=float(top_p), min_new=min_new, scan=p.scan,
-                                **x.jit_kw, **padded)
+    behind.join()
+    out, steps, cache = _decode(*args, **statics)
     out = np.asarray(out)
     t2 = time.perf_counter()
     steps = int(steps)
