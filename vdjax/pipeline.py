@@ -204,7 +204,7 @@ def scan_form(params: Params, mesh=None) -> Params:
     stacked copy lives as long as `params` does: one more copy of the layer weights at rest, the same peak
     (the programs held that copy while they ran).
     """
-    if "layer_groups" in params.weights:  # already in scan form
+    if _in_scan_form(params, True):
         return params
     memo = params.__dict__.setdefault("_scan_forms", {})  # Params is frozen: the cache sits beside its fields
     if mesh in memo:
@@ -670,7 +670,8 @@ def place(params: Params, tokens: np.ndarray, lengths: np.ndarray, mesh=None, sc
     """
     if scan:
         params = scan_form(params, mesh)  # kept on params: stacked (and sharded) once, not in every program call
-    _in_scan_form(params, scan)  # unrolled programs refuse scan-form params before anything is sharded
+    else:
+        _in_scan_form(params, False)  # unrolled programs refuse scan-form params before anything is sharded
     if mesh is None:
         # device_put, not jnp.asarray: the latter compiles a small staging program per new shape
         return Placed(params, jax.device_put(tokens), jax.device_put(lengths), lengths, tokens.shape[0], None)
@@ -887,13 +888,13 @@ def run(
         lengths = lengths + q_ids.shape[1]
     padded = {} if x.live is None else {"live": x.live}
     args = (params, cache, logits, lengths, key, eos, pad, jax.device_put(np.int32(max_new)))
-    statics = dict(policy=p.policy, hyper=p.hyper, max_out=max_out, temperature=float(temperature),
-                   top_k=int(top_k), top_p=float(top_p), min_new=min_new, scan=p.scan, **x.jit_kw, **padded)
-    behind = compile_behind(_decode, args, statics)  # while the prefill runs
+    kw = dict(policy=p.policy, hyper=p.hyper, max_out=max_out, temperature=float(temperature), top_k=int(top_k),
+              top_p=float(top_p), min_new=min_new, scan=p.scan, **x.jit_kw, **padded)
+    behind = compile_behind(_decode, args, kw)  # while the prefill runs
     logits.block_until_ready()
     t1 = time.perf_counter()
     behind.join()
-    out, steps, cache = _decode(*args, **statics)
+    out, steps, cache = _decode(*args, **kw)
     out = np.asarray(out)
     t2 = time.perf_counter()
     steps = int(steps)
