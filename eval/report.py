@@ -178,16 +178,19 @@ def load_records(source: str | os.PathLike, warnings: list[str] | None = None) -
 
 def _settings(records: list[dict], warnings: list[str]) -> dict[tuple, dict]:
     """(benchmark, protocol, length) -> the settings its lines ran with (SETTINGS and each policy's
-    hyper-parameters); a table mixing several values of one gets a warning."""
+    hyper-parameters per budget: hybrid's mix may be one selected at each); a table mixing several values of one
+    (at one budget) gets a warning."""
     out: dict[tuple, dict] = {}
     for r in records:
         group = out.setdefault((r["benchmark"], r["protocol"], r["length"]), {"hyper": {}})
         for k in SETTINGS:
             group.setdefault(k, set()).add(json.dumps(r.get(k), sort_keys=True))
-        group["hyper"].setdefault(r["policy"], set()).add(json.dumps(r.get("hyper") or {}, sort_keys=True))
+        by_budget = group["hyper"].setdefault(r["policy"], {})
+        by_budget.setdefault(r.get("budget"), set()).add(json.dumps(r.get("hyper") or {}, sort_keys=True))
     for g, group in out.items():
         mixed = [k for k in SETTINGS if len(group[k]) > 1]
-        mixed += [f"{p} hyper-parameters" for p, h in group["hyper"].items() if len(h) > 1]
+        mixed += [f"{p} hyper-parameters" + ("" if b is None else f" at budget {b}")
+                  for p, by_budget in group["hyper"].items() for b, h in by_budget.items() if len(h) > 1]
         if mixed:
             warnings.append(f"table {g[0]} / {g[1]} / L{g[2]} mixes lines of several {', '.join(mixed)}")
     return out
@@ -200,10 +203,13 @@ def caption(settings: dict) -> str:
 
     parts = [f"seed {one(settings['seed'])}", f"block {one(settings['block_size'])}",
              "decoding " + ("greedy" if settings["sampling"] == {"null"} else one(settings["sampling"]))]
-    for p, hyper in sorted(settings["hyper"].items()):
-        text = one(hyper)
-        if text != "{}":
-            parts.append(f"{p} {text}")
+    for p, by_budget in sorted(settings["hyper"].items()):
+        texts = {b: one(h) for b, h in by_budget.items()}
+        if len(set(texts.values())) == 1:  # the same at every budget: named once
+            texts = {None: next(iter(texts.values()))}
+        for b, text in sorted(texts.items(), key=lambda x: (x[0] is not None, x[0] or 0)):
+            if text != "{}":
+                parts.append(f"{p}{'' if b is None else f' at N={b}'} {text}")
     return "; ".join(parts)
 
 

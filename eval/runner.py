@@ -111,7 +111,7 @@ class Spec:
     block_size: int
     batch_size: int
     tasks: list[str]
-    policies: list[tuple[Any, tuple]]  # (Policy, hyper), hyper bound to the model
+    policies: list[tuple[Any, tuple]]  # (Policy, hyper) as asked; `hyper_at` binds them to the model and budget
     budgets: list  # ints (cache slots) or fractions
     data_dir: Path | None
     metrics: Mapping[str, Callable]
@@ -119,6 +119,11 @@ class Spec:
     sampling: dict | None  # None: greedy
     draws: int
     mesh: Any = None
+    bind: Callable[[Any, tuple, int | None], tuple] = lambda pol, hyper, budget: hyper  # Policy.bind_hyper
+
+    def hyper_at(self, pol, hyper: tuple, budget: int | None) -> tuple:
+        """A policy's hyper-parameters bound to the model at `budget` (e.g. hybrid's mix saved for it)."""
+        return self.bind(pol, hyper, None if pol.is_dense else budget)
 
     @property
     def identity(self) -> dict:
@@ -132,11 +137,12 @@ class Spec:
         return bool(self.budgets) and isinstance(self.budgets[0], float)
 
     def dense_configs(self) -> list[Config]:
-        return [Config(p, h) for p, h in self.policies if p.is_dense]
+        return [Config(p, self.hyper_at(p, h, None)) for p, h in self.policies if p.is_dense]
 
     def evicting_configs(self, budgets: Mapping[int, float | None]) -> list[Config]:
         """Every evicting policy at every {budget: fraction or None}."""
-        return [Config(p, h, b, f) for p, h in self.policies if not p.is_dense for b, f in budgets.items()]
+        return [Config(p, self.hyper_at(p, h, b), b, f) for p, h in self.policies if not p.is_dense
+                for b, f in budgets.items()]
 
 
 def _check_policies(policies: Any, budgets: Any, policy_kwargs: Mapping | None, module: ModuleType, name: str):
@@ -220,7 +226,17 @@ def check_run(params, benchmark, *, model_name, policies, budgets, length, num_s
     if unknown:
         raise ValueError(f"tasks={unknown} not in benchmark {name!r}; allowed: {allowed}")
     pols, budgets = _check_policies(policies, budgets, policy_kwargs, module, name)
-    pols = [(pol, pol.bind_hyper(params, hyper)) for pol, hyper in pols]  # e.g. hybrid's saved weights
+    memo: dict[tuple, tuple] = {}
+
+    def bind(pol, hyper, budget):  # e.g. hybrid's saved weights for that budget; once per (policy, budget)
+        key = (pol.name, repr(hyper), budget)  # hyper may hold lists (a mix)
+        if key not in memo:
+            memo[key] = pol.bind_hyper(params, hyper, budget)
+        return memo[key]
+
+    for pol, hyper in pols:  # bad keywords fail now, not after the dense runs
+        for b in (None,) if pol.is_dense or not budgets or isinstance(budgets[0], float) else budgets:
+            bind(pol, hyper, b)
     if data_dir is not None and not Path(data_dir).is_dir():
         raise ValueError(f"data_dir={str(data_dir)!r} is not a folder")
     if metrics is None:
@@ -236,7 +252,7 @@ def check_run(params, benchmark, *, model_name, policies, budgets, length, num_s
                 check_int("num_samples", num_samples), seed, protocol, check_int("block_size", block_size),
                 check_int("batch_size", batch_size), tasks, pols, budgets,
                 None if data_dir is None else Path(data_dir), metrics, dict(template_kwargs or {}), sampling,
-                draws, mesh)
+                draws, mesh, bind)
 
 
 # ---- resuming ---------------------------------------------------------------------------------------------
@@ -255,12 +271,14 @@ def check_resume(spec: Spec, path: Path, records: list[dict], print_id: str, all
                 f"and chat template); this run's is {print_id!r}: use another out_dir, or allow_mixed=True "
                 "(CLI --allow-mixed) to add to it anyway")
     for pol, hyper in spec.policies:
-        want = json.loads(json.dumps(dict(hyper)))
         for record in records:
-            if record["policy"] == pol.name and record.get("hyper") != want:
+            if record["policy"] != pol.name:
+                continue
+            want = json.loads(json.dumps(dict(spec.hyper_at(pol, hyper, record.get("budget")))))
+            if record.get("hyper") != want:
                 raise ValueError(
-                    f"{path} holds {pol.name!r} results with hyper-parameters {record.get('hyper')}; "
-                    f"this run asks for {want}: use another out_dir")
+                    f"{path} holds {pol.name!r} results with hyper-parameters {record.get('hyper')} at budget "
+                    f"{record.get('budget')}; this run asks for {want}: use another out_dir")
     return {record_key(r) for r in records}
 
 
@@ -436,6 +454,19 @@ def _write_json(path: Path, obj: dict) -> None:
     os.replace(tmp, path)
 
 
+def _hyper_summary(spec: Spec) -> dict:
+    """run.json's hyper-parameters: {policy: hyper}, or {policy: {budget: hyper}} where they depend on it."""
+    out = {}
+    for pol, hyper in spec.policies:
+        ints = [] if pol.is_dense or spec.fractional else spec.budgets
+        by_budget = {str(b): dict(spec.hyper_at(pol, hyper, b)) for b in ints}
+        if len({json.dumps(h, sort_keys=True) for h in by_budget.values()}) > 1:
+            out[pol.name] = {"by_budget": by_budget}
+        else:
+            out[pol.name] = dict(spec.hyper_at(pol, hyper, ints[0] if ints else None))
+    return out
+
+
 def start_invocation(spec: Spec, meta_path: Path, built, params, prints: dict) -> dict:
     """run.json with this invocation's settings appended; returns the whole document (written)."""
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
@@ -444,7 +475,7 @@ def start_invocation(spec: Spec, meta_path: Path, built, params, prints: dict) -
         "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "tasks": spec.tasks, "num_samples": spec.num_samples, "samples": {t: len(s) for t, s in built.items()},
         "policies": [pol.name for pol, _ in spec.policies], "budgets": spec.budgets,
-        "hyper": {pol.name: dict(hyper) for pol, hyper in spec.policies}, "batch_size": spec.batch_size,
+        "hyper": _hyper_summary(spec), "batch_size": spec.batch_size,
         "draws": spec.draws, "template_kwargs": spec.template_kwargs,
         "data_dir": None if spec.data_dir is None else str(spec.data_dir), "model_config": model_summary(params),
         "fingerprint": prints, "mesh": None if spec.mesh is None else dict(spec.mesh.shape), **environment(),

@@ -72,7 +72,9 @@ def test_analyze_writes_tables_figures_and_weights_used_by_name(tiny_dir, tmp_pa
         np.testing.assert_allclose(fitted["weights"], np.broadcast_to(want, (3, 2)))
     assert "End-to-end selection at N=16" in (folder / "summary.md").read_text()
     # saved next to the checkpoint: "hybrid" by name uses the fitted weights
-    assert (tiny_dir / "vdjax-hybrid" / "fitted.json").is_file()
+    assert (tiny_dir / "vdjax-hybrid" / "fitted.json").read_text() == (folder / "hybrid-fitted.json").read_text()
+    # ... and as the mix of the budget it was fitted and selected at
+    assert (tiny_dir / "vdjax-hybrid" / "fitted-N16.json").read_text() == (folder / "hybrid-fitted.json").read_text()
     params = vdjax.load(tiny_dir)
     ids = np.random.RandomState(0).randint(0, params.config.vocab_size, 80)
     by_name = vdjax.generate(params, ids, "hybrid", budget=16, block_size=16, max_new_tokens=4)

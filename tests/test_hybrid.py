@@ -104,6 +104,18 @@ def test_mix_checked_and_resolved(tmp_path):
     ids = random_ids(40, cfg.vocab_size, seed=6)
     np.testing.assert_array_equal(vdjax.generate(with_source, ids, "hybrid", budget=8, block_size=8),
                                   vdjax.generate(params, ids, "keydiff", budget=8, block_size=8))
+    # a mix selected at one budget serves that budget; others keep the budget-free file
+    HY.save_mix(HY.mix_path(with_source, "fitted", 8), np.ones((3, 2)), method="fitted", model="t")
+    assert HY.mix_path(with_source, "fitted", 8).name == "fitted-N8.json"
+    assert HY.resolve_mix(with_source, None, 8) == ((1.0, 1.0),) * 3
+    assert HY.resolve_mix(with_source, None, 16) == ((0.0, 0.0),) * 3 == HY.resolve_mix(with_source, None)
+    assert HY.resolve_mix(with_source, 0.5, 8) == ((0.5, 0.5),) * 3  # given weights win over any file
+    np.testing.assert_array_equal(vdjax.generate(with_source, ids, "hybrid", budget=8, block_size=8),
+                                  vdjax.generate(params, ids, "valuediff", budget=8, block_size=8))
+    np.testing.assert_array_equal(vdjax.generate(with_source, ids, "hybrid", budget=12, block_size=8),
+                                  vdjax.generate(params, ids, "keydiff", budget=12, block_size=8))
+    with pytest.raises(ValueError, match="budget must be an integer >= 1, got 0"):
+        HY.mix_path(with_source, "fitted", 0)
     other = HY.save_mix(tmp_path / "w.json", np.zeros((2, 2)), method="fitted", model="other")
     with pytest.raises(ValueError, match="2 layers x 2 KV heads"):
         HY.resolve_mix(params, str(other))

@@ -725,6 +725,43 @@ def test_seed_defaults_to_the_benchmark_seed(tiny, tmp_path):
 
 
 # ---- the hybrid's selection on held-out RULER samples ------------------------------------------------------
+def test_hybrid_runs_each_budget_with_the_mix_selected_at_it(tiny, tmp_path):
+    """A mix saved for a budget (`fitted-N<budget>.json`) is what that budget's lines run and record; another
+    budget takes the budget-free mix; run.json lists both; a rerun resumes (no refusal); the report's caption
+    names each budget's mix and warns about nothing."""
+    from vdjax import hybrid as HY
+    from vdjax.models.params import Params
+
+    params, tok = tiny
+    params = Params(params.weights, params.config, source=str(tmp_path / "ckpt"))
+    L, K = params.config.num_layers, params.config.num_kv_heads
+    HY.save_mix(HY.mix_path(params, "fitted"), [[0.0] * K] * L, method="fitted", model="tiny")
+    HY.save_mix(HY.mix_path(params, "fitted", 32), [[1.0] * K] * L, method="fitted", model="tiny")
+    kw = dict(policies=["dense", "hybrid", "valuediff", "keydiff"], tasks=["alpha"], num_samples=2)
+    path = _run((params, tok), tmp_path / "out", **kw)
+    lines = _lines(path)
+    mix = {r["budget"]: r["hyper"]["mix"] for r in lines if r["policy"] == "hybrid"}
+    assert mix == {16: [[0.0] * K] * L, 32: [[1.0] * K] * L}
+    pred = {(r["policy"], r["budget"], r["sample_id"]): r["prediction"] for r in lines}
+    for sid in ("alpha-0", "alpha-1"):  # w = 0 is KeyDiff and w = 1 ValueDiff, exactly
+        assert pred["hybrid", 16, sid] == pred["keydiff", 16, sid]
+        assert pred["hybrid", 32, sid] == pred["valuediff", 32, sid]
+    meta = json.loads((path.parent / "run.json").read_text())
+    assert meta["invocations"][-1]["hyper"]["hybrid"] == {"by_budget": {"16": {"mix": [[0.0] * K] * L},
+                                                                         "32": {"mix": [[1.0] * K] * L}}}
+    assert meta["invocations"][-1]["hyper"]["valuediff"] == {}
+    assert _run((params, tok), tmp_path / "out", **kw) == path and len(_lines(path)) == len(lines)  # resumed
+    s = report.summarize(path)
+    assert not s.warnings, s.warnings
+    md = s.md_path.read_text()
+    assert f'hybrid at N=16 {{"mix": {json.dumps([[0.0] * K] * L)}}}' in md
+    assert f'hybrid at N=32 {{"mix": {json.dumps([[1.0] * K] * L)}}}' in md
+    HY.save_mix(HY.mix_path(params, "fitted", 16), [[0.5] * K] * L, method="fitted", model="tiny")
+    with pytest.raises(ValueError, match="'hybrid' results with hyper-parameters .* at budget 16"):
+        _run((params, tok), tmp_path / "out", **kw)  # a new mix for 16 does not resume onto the old lines
+
+
+
 def test_select_on_ruler_keeps_the_best_mean_score_on_held_out_samples(tiny, tmp_path, monkeypatch):
     """Each candidate mix runs as policy hybrid on RULER samples drawn with seed 1 (not RULER's 42) into its own
     resumable folder (a repeated mix shares its run); the selection is the highest mean of the lines' scores

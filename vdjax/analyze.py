@@ -346,11 +346,14 @@ def analyze_model(model: str, out: str | os.PathLike, *, prompts_file: str | Non
                                              info=fit_meta)
     if save_to_model and params.source is not None:
         for method in hyb.keys() & set(HY.METHODS):
-            target = HY.mix_path(params, method)
+            # the fitted mix: for every budget (the fallback) and for the one it was fitted and selected at
+            targets = [HY.mix_path(params, method)] + ([HY.mix_path(params, method, budget)] if method == "fitted"
+                                                       else [])
             try:
-                target.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(paths[f"hybrid-{method}"], target)
-                paths[f"model-{method}"] = target
+                for target in targets:
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(paths[f"hybrid-{method}"], target)
+                paths[f"model-{method}"] = targets[-1]
             except OSError as e:  # a read-only checkpoint folder: the copy under OUT still works by path
                 say(f"could not save the {method} mix next to the model ({e}); use mix={paths[f'hybrid-{method}']}")
     paths.update(write_model(geo, folder, extra))

@@ -728,7 +728,9 @@ def _add_analyze(sub) -> None:
     a.add_argument("--n-queries", type=_int_at_least(2), default=128, help="Jaccard query positions")
     a.add_argument("--jaccard-prompts", type=_int_at_least(0), default=8)
     a.add_argument("--fit", action="store_true", help="also fit the hybrid mix with optax")
-    a.add_argument("--budget", type=_POSITIVE, default=256, help="cache budget N the fit targets")
+    a.add_argument("--budget", type=_POSITIVE, default=256,
+                   help="cache budget N the fit and selection target; the mix is saved as N's (hybrid runs at N "
+                        "use it) and as the default of budgets without one of their own")
     a.add_argument("--block-size", type=_POSITIVE, default=128)
     a.add_argument("--fit-prompts", type=_POSITIVE, default=4)
     a.add_argument("--fit-steps", type=_POSITIVE, default=60)

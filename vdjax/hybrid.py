@@ -27,9 +27,11 @@ is w per layer and KV head ([L][K]); this module also sets it:
   an even 0.5 mix) runs the whole model with block eviction at the budget on retrieval probes (a key-value
   haystack, the question last), and the one with the lowest teacher-forced answer NLL is saved.
 
-Mixes are saved as small JSON files next to the model (`<checkpoint>/vdjax-hybrid/{fitted,geometry}.json`);
-`generate(params, ids, policy="hybrid", budget=N)` uses the fitted one if present, else the geometry one (the
-policy declares this calibration: `Policy.calibration`, so `vdjax eval` runs it only where it exists).
+Mixes are saved as small JSON files next to the model (`<checkpoint>/vdjax-hybrid/{fitted,geometry}.json`, and
+`fitted-N<budget>.json` for a mix selected at that budget); `generate(params, ids, policy="hybrid", budget=N)`
+uses the mix fitted at N if there is one, else the fitted one, else the geometry one (the policy declares this
+calibration: `Policy.calibration`, so `vdjax eval` runs it only where it exists). A mix selected at one budget
+need not be best at another (Gemma3-270M: the selection at N=512 and at N=1024 differ), hence one per budget.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from vdjax.cache import keep_mask
+from vdjax.checks import check_int
 from vdjax.models import transformer as tf
 from vdjax.models.params import Params
 from vdjax.policies import BUILTIN, Policy, keydiff, register, standardize, valid_mask, valuediff
@@ -78,16 +81,17 @@ def hybrid(k, v, attn, pos, *, mix=None, **_):
     return mix_scores(vd, kd, valid_mask(pos), w)
 
 
-def _bind(params, hyper):
-    """Resolve hybrid's `mix` keyword (None, "fitted", "geometry", a JSON path, numbers) against the model."""
+def _bind(params, hyper, budget=None):
+    """Resolve hybrid's `mix` keyword (None, "fitted", "geometry", a JSON path, numbers) against the model and
+    the run's budget."""
     hyper = dict(hyper)
-    hyper["mix"] = resolve_mix(params, hyper.get("mix"))
+    hyper["mix"] = resolve_mix(params, hyper.get("mix"), budget)
     return tuple(sorted(hyper.items()))
 
 
 def calibrated(folder) -> bool:
     """Whether a checkpoint folder holds saved mixes (`vdjax analyze --model M [--fit]`)."""
-    return folder is not None and any((Path(folder) / FOLDER / f"{m}.json").is_file() for m in METHODS)
+    return folder is not None and any(any((Path(folder) / FOLDER).glob(f"{m}*.json")) for m in METHODS)
 
 
 # ---- mixes: checking, saving, loading -----------------------------------------------------------------
@@ -131,23 +135,27 @@ def load_mix(path: str | os.PathLike) -> dict[str, Any]:
     return data
 
 
-def mix_path(params: Params, method: str) -> Path | None:
-    """Where the `method` mix of this model lives (None when params were not loaded from a folder)."""
+def mix_path(params: Params, method: str, budget: int | None = None) -> Path | None:
+    """Where the `method` mix of this model lives, the one for `budget` when given (None when params were not
+    loaded from a folder)."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    return None if params.source is None else Path(params.source) / FOLDER / f"{method}.json"
+    name = method if budget is None else f"{method}-N{check_int('budget', budget)}"
+    return None if params.source is None else Path(params.source) / FOLDER / f"{name}.json"
 
 
-def resolve_mix(params: Params, mix: Any) -> tuple[tuple[float, ...], ...]:
+def resolve_mix(params: Params, mix: Any, budget: int | None = None) -> tuple[tuple[float, ...], ...]:
     """The [L][K] mix meant by `mix`: None (the model's fitted, else geometry file), "fitted",
-    "geometry", a path to a mix JSON file, or numbers (one, [L] or [L][K])."""
+    "geometry", a path to a mix JSON file, or numbers (one, [L] or [L][K]). A saved mix is the one for
+    `budget` (`mix_path(..., budget)`) where it exists, else the method's own file."""
     cfg = params.config
     if mix is None or (isinstance(mix, str) and mix in METHODS):
         methods = METHODS if mix is None else (mix,)
         for method in methods:
-            path = mix_path(params, method)
-            if path is not None and path.is_file():
-                return resolve_mix(params, str(path))
+            for b in ((budget, None) if budget is not None else (None,)):
+                path = mix_path(params, method, b)
+                if path is not None and path.is_file():
+                    return resolve_mix(params, str(path))
         where = "its checkpoint folder" if params.source is None else f"{params.source}/{FOLDER}/"
         raise ValueError(f"policy 'hybrid' found no {'/'.join(methods)} mix in {where}: run "
                          f"`vdjax analyze --model M [--fit]` first, or pass mix= a number, [L], [L][K] or a "

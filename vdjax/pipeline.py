@@ -608,7 +608,7 @@ def plan(params, ids, policy, budget, block_size, extra_tokens=0, attention_mask
         raise TypeError(f"params must be vdjax Params (from vdjax.load), got {type(params).__name__}")
     enable_compile_cache()
     pol = get_policy(policy)
-    hyper = pol.bind_hyper(params, pol.hyper(**policy_kwargs))
+    hyper = pol.bind_hyper(params, pol.hyper(**policy_kwargs), None if pol.is_dense else budget)
     block_size = check_int("block_size", block_size)
     tokens, lengths = prepare_ids(params, ids, attention_mask)
     t = int(lengths.max())

@@ -165,7 +165,7 @@ def snapkv(k, v, attn, pos, *, window: int = 32, kernel: int | None = None, pool
     return jnp.where(_recent(pos, attn, window), _INF, pooled)
 
 
-def _bind_snapkv(params, hyper):
+def _bind_snapkv(params, hyper, budget=None):
     """kernel=None -> the pooling's own kernel (7 for max, 5 for avg), so results record the number."""
     hyper = dict(hyper)
     if hyper.get("pooling") not in SNAPKV_KERNELS:
@@ -197,7 +197,7 @@ class Policy:
     score: Callable[..., jax.Array] | None  # None = dense (no eviction)
     defaults: tuple[tuple[str, Any], ...] = ()
     accumulates: bool = False  # reads attn.acc (accumulated attention carried in the cache)
-    bind: Callable[..., tuple] | None = None  # (params, hyper) -> hyper: resolves model-dependent keywords
+    bind: Callable[..., tuple] | None = None  # (params, hyper, budget) -> hyper: model-dependent keywords
     # (checkpoint folder) -> whether the model has the calibration data the policy needs by default
     # (e.g. hybrid's fitted weights); None: the policy needs none
     calibration: Callable[[Any], bool] | None = None
@@ -206,9 +206,10 @@ class Policy:
         """Whether the model in `folder` has what this policy needs to run with its defaults."""
         return self.calibration is None or bool(self.calibration(folder))
 
-    def bind_hyper(self, params, hyper: tuple) -> tuple:
-        """hyper with model-dependent keywords resolved for `params` (unchanged for most policies)."""
-        return hyper if self.bind is None else self.bind(params, hyper)
+    def bind_hyper(self, params, hyper: tuple, budget: int | None = None) -> tuple:
+        """hyper with model- and budget-dependent keywords resolved for `params` at `budget` (e.g. hybrid's
+        saved mix for that budget; unchanged for most policies)."""
+        return hyper if self.bind is None else self.bind(params, hyper, budget)
 
     @property
     def is_dense(self) -> bool:

@@ -1,10 +1,12 @@
 """The hybrid's mix for the thesis run, chosen on held-out RULER samples (`vdjax.analyze.select_on_ruler`).
 
 Candidates (`hybrid.candidate_mixes`): the per-layer fit at N=256 and the geometry rule of results/geometry/<model>/,
-ValueDiff, KeyDiff, an even 0.5 mix. Each runs 4 samples of each RULER task but qa (seed 1, not the scored 42;
-qa's questions go by index) at 2048 tokens, N=512, B=128, paper protocol, greedy; the highest mean score wins.
-The chosen mix is written beside this file and copied next to the converted checkpoint, where `vdjax eval
---policies hybrid` finds it by name:
+ValueDiff, KeyDiff, an even 0.5 mix, and uniform mixes `--extra` (default 0.25 and 0.75). Each runs `--samples`
+samples of each RULER task but qa (seed 1, not the scored 42; qa's questions go by index; the samples of a smaller
+run are the first ones of a larger) at 2048 tokens, N=`--budget`, B=128, paper protocol, greedy; the highest mean
+score wins (ties: the earlier candidate). One selection per budget: the mix chosen at N serves runs at N.
+The chosen mix is written beside this file and copied next to the converted checkpoint as the mix of that budget
+(`vdjax-hybrid/fitted-N<budget>.json`), where `vdjax eval --policies hybrid --budgets <budget>` finds it by name:
 
     VDJAX_CACHE=/work/vdcache .venv/bin/python results/thesis-hybrid-ruler/choose_mix.py --model gemma3-270m
 """
@@ -15,6 +17,8 @@ import shutil
 import time
 from pathlib import Path
 
+import numpy as np
+
 import vdjax
 from vdjax import analyze as A
 from vdjax import hybrid as HY
@@ -24,12 +28,15 @@ HERE = Path(__file__).parent
 ap = argparse.ArgumentParser()
 ap.add_argument("--model", required=True)
 ap.add_argument("--budget", type=int, default=512)
-ap.add_argument("--samples", type=int, default=4, help="per task (the first selection used 2; the mixes here, 4)")
+ap.add_argument("--samples", type=int, default=8, help="per task (the first selections used 2, then 4)")
+ap.add_argument("--extra", default="0.25,0.75", help="uniform mixes added to the candidates ('' for none)")
 args = ap.parse_args()
 
 geo = Path("results/geometry") / args.model
 fitted, geometry = (HY.load_mix(geo / f"hybrid-{m}.json")["weights"] for m in ("fitted", "geometry"))
 candidates = HY.candidate_mixes(fitted, geometry)
+for w in filter(None, args.extra.split(",")):
+    candidates[f"w{float(w):g}"] = np.full_like(candidates["even"], float(w))
 params, tok = vdjax.load(args.model), vdjax.load_tokenizer(args.model)
 t0 = time.time()
 best, scores = A.select_on_ruler(params, tok, candidates, model_name=args.model, budget=args.budget,
@@ -42,5 +49,5 @@ info = {"budget": args.budget, "selection": {"benchmark": "ruler", "seed": A.VAL
         "chosen": best, "seconds": round(time.time() - t0)}
 path = HY.save_mix(HERE / f"{args.model}-mix-N{args.budget}.json", candidates[best], method="fitted",
                    model=args.model, info=info)
-shutil.copyfile(path, HY.mix_path(params, "fitted"))
+shutil.copyfile(path, HY.mix_path(params, "fitted", args.budget))  # what `--policies hybrid` at this budget uses
 print(json.dumps({"chosen": best, "score": scores, "seconds": info["seconds"]}, indent=1))
