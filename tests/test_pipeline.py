@@ -425,15 +425,25 @@ def test_causal_attention_equals_numpy(sinks, window, softcap, pre):
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("name,budget,sliding", [("dense", None, False), ("dense", None, True),
-                                                 ("valuediff", 64, False), ("snapkv", 64, True), ("h2o", 64, True)])
-def test_layer_scan_equals_unrolled_layers(name, budget, sliding):
+PATTERNS = {  # layer types of one period
+    "llama": (),
+    "alternating": ("sliding_attention", "full_attention"),
+    "gemma3": ("sliding_attention",) * 2 + ("full_attention",),  # Gemma3's 5 : 1 in small
+}
+
+
+@pytest.mark.parametrize("name,budget,pattern", [
+    ("dense", None, "llama"), ("dense", None, "alternating"), ("dense", None, "gemma3"), ("valuediff", 64, "llama"),
+    ("snapkv", 64, "alternating"), ("h2o", 64, "alternating"), ("valuediff", 64, "gemma3"), ("h2o", 64, "gemma3")])
+def test_layer_scan_equals_unrolled_layers(name, budget, pattern):
     """`layer_scan=True` (the GPU/TPU default: the layers as a scan over groups of `layer_period` layers, in
     the causal pass, the block loop and decode) keeps the same positions and generates the same tokens as the
-    unrolled layers, values and logits to rounding; with a sliding : full pattern the group is two layers."""
-    cfg = tiny_config(num_layers=4, vocab_size=400, **(
-        {"layer_types": ("sliding_attention", "full_attention") * 2, "sliding_window": 40} if sliding else {}))
-    assert pipeline.layer_period(cfg) == (2 if sliding else 1)
+    unrolled layers, values and logits to rounding; with a sliding : full pattern the group is two layers, with
+    Gemma3's (here 2 sliding : 1 full) three."""
+    types = PATTERNS[pattern]
+    cfg = tiny_config(num_layers=2 * max(1, len(types)), vocab_size=400,
+                      **({"layer_types": types * 2, "sliding_window": 40} if types else {}))
+    assert pipeline.layer_period(cfg) == max(1, len(types))
     params = random_params(cfg, seed=3)
     order = np.random.RandomState(2).permutation(cfg.vocab_size).astype(np.int32)
     ids = [order[:150], order[200:290]]  # ragged rows (150 and 90 tokens), both past N = 64
@@ -480,15 +490,18 @@ QWEN3_5_TINY = dict(family="qwen3_5", vocab_size=400, hidden_size=32, intermedia
                     eos_token_ids=(), max_position_embeddings=4096)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "qwen3_5_runs"])
 def test_layer_scan_question_and_continuation(family):
     """The scanned programs pass the cache on stacked over layer groups (`pipeline.unstack` splits it at the
     end): the question-agnostic protocol (the stacked cache grown by the question's slots) and teacher-forced
     continuation log-probabilities equal the unrolled layers', on Llama and on Qwen3.5's Gated DeltaNet :
-    gated-attention pattern (recurrent states in the stacked carry)."""
+    gated-attention pattern (recurrent states in the stacked carry; also with 2 DeltaNet layers a period, as
+    Qwen3.5's 3)."""
     from vdjax.models.config import ModelConfig
 
-    cfg = tiny_config(num_layers=4, vocab_size=400) if family == "llama" else ModelConfig(**QWEN3_5_TINY)
+    runs = {"layer_types": (("linear_attention",) * 2 + ("full_attention",)) * 2, "num_layers": 6}
+    cfg = (tiny_config(num_layers=4, vocab_size=400) if family == "llama" else
+           ModelConfig(**(QWEN3_5_TINY | (runs if family == "qwen3_5_runs" else {}))))
     params = random_params(cfg, seed=5)
     order = np.random.RandomState(4).permutation(cfg.vocab_size).astype(np.int32)
     ids, question, cont = [order[:130], order[140:230]], order[300:311], order[320:330]

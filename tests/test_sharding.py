@@ -78,10 +78,10 @@ def _qwen3_5():
     return init_params(cfg, 3), _model(4)[1]
 
 
-def _qwen3_5_run(mesh=None) -> dict:
+def _qwen3_5_run(mesh=None, layer_scan=None) -> dict:
     """Tokens, kept positions and DeltaNet states of a Qwen3.5 run on the ragged batch."""
     params, ids = _qwen3_5()
-    gen = vdjax.run(params, ids, "valuediff", mesh=mesh, **RUN, budget=12)
+    gen = vdjax.run(params, ids, "valuediff", mesh=mesh, layer_scan=layer_scan, **RUN, budget=12)
     rec = [np.asarray(gen.cache[i].rec).tolist() for i in range(3)]
     out = _summary(gen) | {"rec": rec}
     if mesh is not None:
@@ -174,6 +174,8 @@ def _child(group: str) -> dict:
         out["kv2_specs"] = {"wq": _spec(lw["wq"]), "wk": _spec(lw["wk"]), "w_up": _spec(lw["w_up"]),
                             "cache_k": _spec(cache.layers[0].k)}
         out["qwen3_5"] = _qwen3_5_run(sharding.make_mesh(data=2, model=2))
+        # the layer scan: the 3 DeltaNet layers' states stacked over the groups, sharded like one layer's
+        out["qwen3_5_scan"] = _qwen3_5_run(sharding.make_mesh(data=2, model=2), layer_scan=True)
         out["gpt_oss"] = _gpt_oss_run(sharding.make_mesh(data=2, model=4))
     return out
 
@@ -288,6 +290,10 @@ def test_qwen3_5_on_a_mesh(results):
     assert s["rec"] == ["data", "model"] and s["conv"][0] == "data"  # the conv's channels: GSPMD's choice
     assert s["w_z"] == [None, "model"] and s["w_out"] == ["model"] and s["A_log"] == ["model"]
     assert s["w_qkv"] == []  # [q | k | v] channels mixed: replicated
+    scan = got["qwen3_5_scan"]
+    assert scan["tokens"] == want["tokens"] and scan["kept"] == want["kept"]
+    np.testing.assert_allclose(scan["rec"], want["rec"], rtol=1e-4, atol=1e-5)
+    assert scan["specs"]["rec"] == ["data", "model"]
 
 
 def test_gpt_oss_on_a_mesh(results):
