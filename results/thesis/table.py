@@ -4,7 +4,9 @@
 
 Reads results/thesis (the main run) and the hybrid folders beside it (results/thesis-hybrid: the per-layer fit at
 N=256; results/thesis-hybrid-selected: the mix selected by retrieval-probe NLL; results/thesis-hybrid-ruler: the
-mix selected on held-out RULER samples; its selection runs under selection/, which this table does not read). A task counts only when every listed run has
+mix selected at N=512 on 4 held-out RULER samples a task, run at both budgets; results/thesis-hybrid-budget: the
+mix selected at each budget on 8 held-out samples a task; the selection runs under thesis-hybrid-ruler/selection/,
+which this table does not read). A task counts only when every listed run has
 all its samples there, so each column averages the same samples. Retention = mean score / dense mean score.
 The last column is the paired difference from KeyDiff in score points with a bootstrap 95 % interval (samples
 resampled within each task): at 10 samples per task most differences between policies lie inside it.
@@ -21,7 +23,8 @@ from vdjax.eval.report import paired_difference
 
 ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = {"thesis": None, "thesis-hybrid": "hybrid (per-layer fit, N=256)",
-           "thesis-hybrid-selected": "hybrid (selected)", "thesis-hybrid-ruler": "hybrid (RULER-selected)"}
+           "thesis-hybrid-selected": "hybrid (selected)", "thesis-hybrid-ruler": "hybrid (RULER-selected at N=512)",
+           "thesis-hybrid-budget": "hybrid (RULER-selected at N)"}
 
 
 def lines(model: str):
