@@ -99,7 +99,8 @@ def test_analyze_rejects_bad_arguments(tiny_dir, tmp_path, capsys):
 
 def test_analyze_select_on_ruler_saves_the_chosen_mix(tiny_dir, tmp_path, monkeypatch):
     """--select-on ruler hands the five candidates to `select_on_ruler` (held-out seed, folder
-    OUT/<model>/selection-N<budget>) and saves the one it returns, with its scores, as the fitted mix."""
+    OUT/<model>/selection-N<budget>, the geometry rule as the prior) and saves the one it returns, with its
+    scores and how it beat the prior, as the fitted mix."""
     from vdjax import analyze as A
 
     monkeypatch.setenv("VDJAX_COMPILE_CACHE", "0")
@@ -107,7 +108,8 @@ def test_analyze_select_on_ruler_saves_the_chosen_mix(tiny_dir, tmp_path, monkey
 
     def spy(params, tok, candidates, **kw):
         seen.update(kw, candidates=candidates)
-        return "even", {name: 0.5 if name == "even" else 0.1 for name in candidates}
+        detail = {"highest": "even", "prior": kw["prior"], "difference": [40.0, 10.0, 70.0], "level": 0.95}
+        return "even", {name: 0.5 if name == "even" else 0.1 for name in candidates}, detail
 
     monkeypatch.setattr(A, "select_on_ruler", spy)
     out = tmp_path / "geo"
@@ -117,8 +119,10 @@ def test_analyze_select_on_ruler_saves_the_chosen_mix(tiny_dir, tmp_path, monkey
     folder = out / tiny_dir.name
     assert set(seen["candidates"]) == {"fitted", "geometry", "valuediff", "keydiff", "even"}
     assert seen["budget"] == 16 and seen["samples"] == 3 and seen["out_dir"] == folder / "selection-N16"
+    assert seen["prior"] == "geometry"
     fitted = json.loads((folder / "hybrid-fitted.json").read_text())
     assert fitted["chosen"] == "even" and fitted["selection"]["seed"] == A.VALIDATION_SEED != 42
     np.testing.assert_allclose(fitted["weights"], np.full((3, 2), 0.5))
     assert fitted["selection"]["score"]["even"] == 0.5 and "qa_1" not in fitted["selection"]["tasks"]
+    assert fitted["selection"]["prior"] == "geometry" and fitted["selection"]["difference"] == [40.0, 10.0, 70.0]
     assert "mean RULER score of 3 held-out samples" in (folder / "summary.md").read_text()

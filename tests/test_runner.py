@@ -776,7 +776,8 @@ def test_select_on_ruler_keeps_the_best_mean_score_on_held_out_samples(tiny, tmp
     cands = {"even": [[0.5] * K] * L, "valuediff": [[1.0] * K] * L, "keydiff": [[0.0] * K] * L}
     tasks = ("niah_single_1", "niah_single_2")
     kw = dict(model_name="tiny", budget=64, block=32, length=768, samples=2, tasks=tasks, batch_size=2)
-    best, scores = A.select_on_ruler(params, tok, cands | {"ones": [[1.0] * K] * L}, out_dir=tmp_path, **kw)
+    best, scores, detail = A.select_on_ruler(params, tok, cands | {"ones": [[1.0] * K] * L}, out_dir=tmp_path, **kw)
+    assert detail == {"highest": best, "prior": None, "difference": None, "level": 0.95}
     assert list(scores) == [*cands, "ones"]
     assert scores.pop("ones") == scores["valuediff"] and not (tmp_path / "ones").exists()  # same weights: one run
     for name, w in cands.items():
@@ -789,7 +790,20 @@ def test_select_on_ruler_keeps_the_best_mean_score_on_held_out_samples(tiny, tmp
     assert len(set(scores.values())) > 1, "the candidates should score differently under this metric"
     calls = []
     monkeypatch.setattr(runner, "run_call", lambda *a, **k: calls.append(a) or iter(()))
-    assert A.select_on_ruler(params, tok, cands, out_dir=tmp_path, **kw) == (best, scores) and not calls
+    assert A.select_on_ruler(params, tok, cands, out_dir=tmp_path, **kw)[:2] == (best, scores) and not calls
+    # a prior stays unless the highest beats it beyond the paired bootstrap interval of the same samples
+    others = [n for n in cands if n != best]
+    lines = {n: {r["sample_id"]: r["score"] for r in _lines(tmp_path / n / "ruler" / "tiny" / "paper" / "L768" /
+                                                               "predictions.jsonl")} for n in cands}
+    for prior in others:
+        got, _, d = A.select_on_ruler(params, tok, cands, out_dir=tmp_path, prior=prior, **kw)
+        assert d["highest"] == best and d["prior"] == prior
+        diffs = [lines[best][i] - lines[prior][i] for i in lines[best]]
+        assert d["difference"][0] == pytest.approx(100 * sum(diffs) / len(diffs))  # 2 samples a task: same mean
+        assert got == (best if d["difference"][1] > 0 else prior)
+    assert A.select_on_ruler(params, tok, cands, out_dir=tmp_path, prior=best, **kw)[0] == best
+    with pytest.raises(ValueError, match="prior='nope' is not a candidate"):
+        A.select_on_ruler(params, tok, cands, out_dir=tmp_path, prior="nope", **kw)
     assert "qa_1" not in A.validation_tasks() and "fwe" in A.validation_tasks()
     with pytest.raises(ValueError, match="seed=42 is the seed RULER scores with"):
         A.select_on_ruler(params, tok, cands, out_dir=tmp_path, seed=42, **kw)

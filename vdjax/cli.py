@@ -567,6 +567,7 @@ def cmd_analyze(args) -> int:
                   jaccard_prompts=args.jaccard_prompts, fit=args.fit, budget=args.budget,
                   block_size=args.block_size, fit_prompts=args.fit_prompts, fit_steps=args.fit_steps,
                   select_probes=args.select_probes, select_on=args.select_on, select_samples=args.select_samples,
+                  select_prior=None if args.select_prior == "none" else args.select_prior,
                   per_head=args.per_head, console=console, dtype=args.dtype, revision=args.revision)
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -744,6 +745,10 @@ def _add_analyze(sub) -> None:
                         "qa left out; needs the eval extra; runs under OUT/<model>/selection-N<budget>/)")
     a.add_argument("--select-samples", type=_POSITIVE, default=2,
                    help="held-out RULER samples per task for --select-on ruler")
+    a.add_argument("--select-prior", choices=("geometry", "fitted", "valuediff", "keydiff", "even", "none"),
+                   default="geometry",
+                   help="--select-on ruler: this candidate stays unless another beats it on the held-out samples "
+                        "beyond their noise (paired bootstrap 95 %% interval above 0); 'none': the highest mean wins")
     a.add_argument("--per-head", action="store_true", help="one weight per KV head instead of per layer")
     a.set_defaults(func=cmd_analyze)
 
