@@ -58,13 +58,29 @@ def _sha256(*parts: bytes) -> str:
     return h.hexdigest()
 
 
+# stamps of the program that wrote a file, not of what it holds: `save_pretrained` writes its own version into
+# config.json, so the same weights converted under transformers 5.24.0 and 5.25.0 differed in nothing else
+_WRITER_KEYS = ("transformers_version",)
+
+
+def _config_bytes(path: Path) -> bytes:
+    """A JSON config file's content without the writer's version stamps (canonical: sorted keys)."""
+    data = json.loads(path.read_text())
+    if isinstance(data, dict):
+        data = {k: v for k, v in data.items() if k not in _WRITER_KEYS}
+    return json.dumps(data, sort_keys=True).encode()
+
+
 @functools.lru_cache(maxsize=16)
 def _files_digest(folder: str, stamp: tuple) -> str:
-    """sha256 over the checkpoint's config files and safetensors, in name order (`stamp`: sizes and mtimes,
-    so an unchanged folder is hashed once per process)."""
+    """sha256 over the checkpoint's config files (less `_WRITER_KEYS`) and safetensors, in name order (`stamp`:
+    sizes and mtimes, so an unchanged folder is hashed once per process)."""
     h = hashlib.sha256()
     for name, _, _ in stamp:
         h.update(name.encode() + b"\0")
+        if name.endswith(".json"):
+            h.update(_config_bytes(Path(folder) / name))
+            continue
         with open(Path(folder) / name, "rb") as f:
             while chunk := f.read(_CHUNK):
                 h.update(chunk)

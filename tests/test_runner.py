@@ -652,6 +652,30 @@ def test_lines_record_commit_and_fingerprint(tiny, reference, tmp_path):
     assert len(mixed) == 40 + 16 and {r["fingerprint"] for r in mixed[40:]} == {fingerprint(other, tok)["id"]}
 
 
+def test_checkpoint_fingerprint_is_the_content_not_the_writer_version(tiny, tmp_path):
+    """A checkpoint folder's digest covers its config values and weight bytes, not the transformers version
+    that wrote it (the offline models, converted again under transformers 5.25.0 instead of 5.24.0, differed
+    only in that stamp and got another fingerprint); any other config value or weight byte changes it."""
+    from vdjax.eval.provenance import checkpoint_digest
+    from vdjax.models.params import Params
+
+    params, _ = tiny
+
+    def folder(name, version, weights=b"w" * 64, **config):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"hidden_size": 8, "transformers_version": version, **config},
+                                                  indent=2))
+        (d / "generation_config.json").write_text(json.dumps({"transformers_version": version, "eos_token_id": 1}))
+        (d / "model.safetensors").write_bytes(weights)
+        return Params(params.weights, params.config, source=str(d))
+
+    a = checkpoint_digest(folder("a", "5.24.0"))
+    assert checkpoint_digest(folder("b", "5.25.0")) == a
+    assert checkpoint_digest(folder("c", "5.24.0", weights=b"w" * 63 + b"x")) != a
+    assert checkpoint_digest(folder("d", "5.24.0", rope_theta=10000.0)) != a
+
+
 def test_one_writer_per_predictions_file(tiny, tmp_path):
     """A second process writing the same predictions file gets a clear error naming the holder."""
     import subprocess

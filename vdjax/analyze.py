@@ -216,7 +216,8 @@ def validation_tasks() -> tuple[str, ...]:
 def select_on_ruler(params, tokenizer, candidates: dict[str, Any], *, model_name: str, budget: int, out_dir,
                     block: int = 128, length: int = 2048, samples: int = 2, seed: int = VALIDATION_SEED,
                     tasks: Sequence[str] | None = None, batch_size: int = 10, prior: str | None = None,
-                    level: float = 0.95, progress: bool = False) -> tuple[str, dict[str, float], dict[str, Any]]:
+                    level: float = 0.95, allow_mixed: bool = False,
+                    progress: bool = False) -> tuple[str, dict[str, float], dict[str, Any]]:
     """The candidate mix [L, K] that wins on held-out RULER samples (`samples` per task of `tasks`, default
     `validation_tasks()`, drawn with `seed`, paper protocol, greedy, block eviction at `budget`) -> (name,
     {name: mean score}, detail). Each candidate's generations are a resumable run under out_dir/<name>/
@@ -228,7 +229,8 @@ def select_on_ruler(params, tokenizer, candidates: dict[str, Any], *, model_name
     lower end of the paired bootstrap `level` interval of (highest - prior) (`report.paired_difference`, samples
     resampled within each task) must lie above 0. A few dozen samples a task cannot separate candidates a
     point or two apart (Gemma3-270M at N=1024: ValueDiff 0.190, KeyDiff 0.190), and picking the noise is no fit.
-    detail: {"highest", "prior", "difference": [points, low, high] of highest - prior or None, "level"}."""
+    detail: {"highest", "prior", "difference": [points, low, high] of highest - prior or None, "level"}.
+    `allow_mixed` resumes onto lines of another fingerprint (`runner.evaluate`)."""
     from vdjax.eval import records, ruler, runner
     from vdjax.eval.report import paired_difference
 
@@ -250,7 +252,7 @@ def select_on_ruler(params, tokenizer, candidates: dict[str, Any], *, model_name
         path = runner.evaluate(params, tokenizer, "ruler", model_name=model_name, policies=["hybrid"],
                                budgets=[budget], length=length, num_samples=samples, out_dir=Path(out_dir) / name,
                                tasks=tasks, seed=seed, block_size=block, batch_size=batch_size,
-                               policy_kwargs={"hybrid": {"mix": mix}}, progress=progress)
+                               policy_kwargs={"hybrid": {"mix": mix}}, allow_mixed=allow_mixed, progress=progress)
         rows = [r for r in records.read_predictions(path) if r["budget"] == budget and r["task"] in tasks]
         if len(rows) != samples * len(tasks):
             raise ValueError(f"{path} holds {len(rows)} lines at budget {budget} for {len(tasks)} tasks x "

@@ -33,6 +33,9 @@ ap.add_argument("--budget", type=int, default=512)
 ap.add_argument("--samples", type=int, default=8, help="per task (the first selections used 2, then 4)")
 ap.add_argument("--extra", default="0.25,0.75", help="uniform mixes added to the candidates ('' for none)")
 ap.add_argument("--prior", default="geometry", help="the candidate kept unless beaten beyond the noise ('none')")
+ap.add_argument("--allow-mixed", action="store_true",
+                help="resume onto lines of another fingerprint (the N=512 selections' first 4 samples a task were "
+                     "made from the same checkpoint bytes, converted under transformers 5.24.0: see the README)")
 args = ap.parse_args()
 
 geo = Path("results/geometry") / args.model
@@ -45,7 +48,8 @@ t0 = time.time()
 best, scores, detail = A.select_on_ruler(params, tok, candidates, model_name=args.model, budget=args.budget,
                                          out_dir=HERE / "selection" / args.model / f"N{args.budget}",
                                          samples=args.samples, length=2048, block=128, batch_size=10,
-                                         prior=None if args.prior == "none" else args.prior, progress=True)
+                                         prior=None if args.prior == "none" else args.prior,
+                                         allow_mixed=args.allow_mixed, progress=True)
 info = {"budget": args.budget, "selection": {"benchmark": "ruler", "seed": A.VALIDATION_SEED,
         "tasks": list(A.validation_tasks()), "samples": args.samples, "length": 2048, "block_size": 128,
         "objective": "mean RULER score (greedy, paper protocol)" + (
