@@ -59,5 +59,7 @@ info = {"budget": args.budget, "selection": {"benchmark": "ruler", "seed": A.VAL
         "chosen": best, "seconds": round(time.time() - t0)}
 path = HY.save_mix(HERE / f"{args.model}-mix-N{args.budget}.json", candidates[best], method="fitted",
                    model=args.model, info=info)
-shutil.copyfile(path, HY.mix_path(params, "fitted", args.budget))  # what `--policies hybrid` at this budget uses
+target = HY.mix_path(params, "fitted", args.budget)  # what `--policies hybrid` at this budget uses
+target.parent.mkdir(parents=True, exist_ok=True)
+shutil.copyfile(path, target)
 print(json.dumps({"chosen": best, "score": scores, **detail, "seconds": info["seconds"]}, indent=1))
