@@ -5,7 +5,7 @@
 Reads results/thesis (the main run) and the hybrid folders beside it (results/thesis-hybrid: the per-layer fit at
 N=256; results/thesis-hybrid-selected: the mix selected by retrieval-probe NLL; results/thesis-hybrid-ruler: the
 mix selected at N=512 on 4 held-out RULER samples a task, run at both budgets; results/thesis-hybrid-budget: the
-mix selected at each budget on 8 held-out samples a task; the selection runs under thesis-hybrid-ruler/selection/,
+mix selected at each budget on 4 or 8 held-out samples a task (the mix JSONs say which); the selection runs under thesis-hybrid-ruler/selection/,
 which this table does not read). A task counts only when every listed run has
 all its samples there, so each column averages the same samples. Retention = mean score / dense mean score.
 The last column is the paired difference from KeyDiff in score points with a bootstrap 95 % interval (samples
