@@ -213,6 +213,12 @@ def validation_tasks() -> tuple[str, ...]:
     return tuple(t for t in ruler.TASKS if not t.startswith("qa"))
 
 
+def selection_objective(prior: str | None, level: float = 0.95) -> str:
+    """`select_on_ruler`'s objective in words, as the mix JSON records it."""
+    return "mean RULER score (greedy, paper protocol)" + (
+        "" if prior is None else f"; {prior} unless beaten beyond the paired {100 * level:g} % bootstrap interval")
+
+
 def select_on_ruler(params, tokenizer, candidates: dict[str, Any], *, model_name: str, budget: int, out_dir,
                     block: int = 128, length: int = 2048, samples: int = 2, seed: int = VALIDATION_SEED,
                     tasks: Sequence[str] | None = None, batch_size: int = 10, prior: str | None = None,
@@ -346,9 +352,7 @@ def analyze_model(model: str, out: str | os.PathLike, *, prompts_file: str | Non
                                                     progress=console is not None)
             hyb["selection"] = score
             fit_meta.update({"selection": {"benchmark": "ruler", "seed": VALIDATION_SEED, "tasks": list(tasks),
-                             "samples": select_samples, "objective": "mean RULER score (greedy, paper protocol)"
-                             + ("" if select_prior is None else f"; {select_prior} unless beaten beyond the paired "
-                                "95 % bootstrap interval"),
+                             "samples": select_samples, "objective": selection_objective(select_prior),
                              "score": score, **detail}, "selected": chosen})
             extra += (f"\nEnd-to-end selection at N={budget}: mean RULER score of {select_samples} held-out "
                       f"samples (seed {VALIDATION_SEED}) of {len(tasks)} tasks; highest **{detail['highest']}**, "

@@ -52,8 +52,7 @@ best, scores, detail = A.select_on_ruler(params, tok, candidates, model_name=arg
                                          allow_mixed=args.allow_mixed, progress=True)
 info = {"budget": args.budget, "selection": {"benchmark": "ruler", "seed": A.VALIDATION_SEED,
         "tasks": list(A.validation_tasks()), "samples": args.samples, "length": 2048, "block_size": 128,
-        "objective": "mean RULER score (greedy, paper protocol)" + (
-            "" if args.prior == "none" else f"; {args.prior} unless beaten beyond the paired 95 % bootstrap interval"),
+        "objective": A.selection_objective(None if args.prior == "none" else args.prior),
         "score": scores, **detail,
         "candidates_from": [str(geo / "hybrid-fitted.json"), str(geo / "hybrid-geometry.json")]},
         "chosen": best, "seconds": round(time.time() - t0)}
