@@ -304,11 +304,16 @@ def layer_forward(
     window: jax.Array | int | None = None,
 ):
     """One attention layer over a block; returns (x_out [B,S,H], k_new [B,K,S,D], v_new [B,K,S,D], probs)."""
-    eps, off = cfg.rms_norm_eps, cfg.norm_offset
-    h = rms_norm(x, lw["attn_norm"], eps, off)
+    h = rms_norm(x, lw["attn_norm"], cfg.rms_norm_eps, cfg.norm_offset)
     q, k, v, gate = project_qkv(lw, h, q_pos, cfg, inv_freq)
     k_new, v_new = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, S, D]
     o, probs = attend(q, q_pos, k_cache, v_cache, pos_cache, k_new, v_new, cfg, window, lw.get("sinks"))
+    return layer_output(lw, x, o, gate, cfg), k_new, v_new, probs
+
+
+def layer_output(lw: dict, x: jax.Array, o: jax.Array, gate: jax.Array | None, cfg: ModelConfig) -> jax.Array:
+    """The rest of an attention layer after attention: (gate,) o_proj, post-norm, residual, MLP block.
+    x [B, S, H], o [B, S, Nq, D] -> [B, S, H]."""
     if gate is not None:  # gated attention (Qwen3.5): the output times sigmoid(gate), before o_proj
         o = o * jax.nn.sigmoid(gate)
     b, s, nq, d = o.shape  # flatten heads so XLA transposes the small activation, not the weight
@@ -316,27 +321,18 @@ def layer_forward(
     if cfg.o_bias:
         a = a + lw["bo"]
     if cfg.post_norms:
-        a = rms_norm(a, lw["post_attn_norm"], eps, off)
-    return mlp_block(lw, x + a, cfg), k_new, v_new, probs
+        a = rms_norm(a, lw["post_attn_norm"], cfg.rms_norm_eps, cfg.norm_offset)
+    return mlp_block(lw, x + a, cfg)
 
 
 def causal_layer_forward(lw: dict, x: jax.Array, pos: jax.Array, cfg: ModelConfig, inv_freq: jax.Array,
                          window: int | None = None):
     """One attention layer over a whole sequence x [B, T, H] with `causal_attention` (no cache, no weights
     kept): returns (x_out [B, T, H], k [B, K, T, D], v [B, K, T, D]) -- the dense prefill's layer."""
-    eps, off = cfg.rms_norm_eps, cfg.norm_offset
-    h = rms_norm(x, lw["attn_norm"], eps, off)
+    h = rms_norm(x, lw["attn_norm"], cfg.rms_norm_eps, cfg.norm_offset)
     q, k, v, gate = project_qkv(lw, h, pos, cfg, inv_freq)
     o = causal_attention(q, k, v, pos, cfg, window, sinks=lw.get("sinks"))
-    if gate is not None:
-        o = o * jax.nn.sigmoid(gate)
-    b, t, nq, d = o.shape
-    a = jnp.einsum("bsx,xh->bsh", o.reshape(b, t, nq * d), lw["wo"].reshape(nq * d, -1))
-    if cfg.o_bias:
-        a = a + lw["bo"]
-    if cfg.post_norms:
-        a = rms_norm(a, lw["post_attn_norm"], eps, off)
-    return mlp_block(lw, x + a, cfg), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    return layer_output(lw, x, o, gate, cfg), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
 
 def linear_layer_forward(lw: dict, x: jax.Array, q_pos: jax.Array, state: LinearState, cfg: ModelConfig):
