@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """vdjax benchmark: block prefill, decode, peak memory, TTFT and compile counts against HF transformers.
 
-    VDJAX_CACHE=/tmp/vdcache .venv/bin/python bench/bench.py            # full run (~16-20 min on a quiet 2-core box)
-    .venv/bin/python bench/bench.py --quick                              # smoke run (small lengths, ~5 min)
-    .venv/bin/python bench/bench.py --lengths 1024,4096 --out results/x.md
+    VDJAX_CACHE=/tmp/vdcache .venv/bin/python bench/bench.py            # full run (~16-20 min on a quiet
+    2-core box) .venv/bin/python bench/bench.py --quick                              # smoke run (small
+    lengths, ~5 min) .venv/bin/python bench/bench.py --lengths 1024,4096 --out results/x.md
 
 A script, not a test: it prints Markdown tables (header, sections 1-6, targets with PASS/FAIL) and writes them
 to --out. Every vdjax prefill length runs in a fresh subprocess (its peak RSS is that length's alone); HF
@@ -59,11 +59,15 @@ def mem_total_available_gb() -> tuple[float, float]:
 
 
 def git_state() -> str:
-    """Commit of the vdjax checkout and how many tracked files differ from it (the library is benchmarked as is)."""
+    """Commit of the vdjax checkout and how many tracked files differ from it (the
+    library is benchmarked as is)."""
     try:
-        run = lambda *c: subprocess.run(["git", "-C", str(ROOT), *c], capture_output=True, text=True).stdout.strip()
+        def run(*c):
+            return subprocess.run(["git", "-C", str(ROOT), *c], capture_output=True, text=True).stdout.strip()
+
         dirty = [ln for ln in run("status", "--porcelain", "--untracked-files=no").splitlines() if ln]
-        return f"commit {run('rev-parse', '--short', 'HEAD')}" + (f" + {len(dirty)} modified files" if dirty else "")
+        return (f"commit {run('rev-parse', '--short', 'HEAD')}"
+                + (f" + {len(dirty)} modified files" if dirty else ""))
     except OSError:
         return "unknown (no git)"
 
@@ -122,7 +126,8 @@ def best_of(measure, seconds, load, retries: int, max_wait: float, log):
 
 
 def wait_idle(max_wait: float, threshold: float = BUSY, log=print) -> float:
-    """Wait (up to max_wait s) until other processes use < threshold cores over a 2 s window; returns their load."""
+    """Wait (up to max_wait s) until other processes use < threshold cores over a 2 s
+    window; returns their load."""
     start = time.perf_counter()
     while True:
         with OtherLoad() as ol:
@@ -157,8 +162,8 @@ def _jax_setup():
 
 
 def warm_prefill(params, ids, policy: str, budget: int | None, block: int) -> str:
-    """Compile the program a prefill of `ids` uses without running it (`vdjax.pipeline.compile_prefill`)."""
-    from vdjax.pipeline import compile_prefill
+    """Compile the program a prefill of `ids` uses without running it (`vdjax.engine.api.compile_prefill`)."""
+    from vdjax.engine.api import compile_prefill
 
     compile_prefill(params, ids, policy, budget, block)
     return "compiled ahead of time (compile_prefill)"
@@ -167,8 +172,9 @@ def warm_prefill(params, ids, policy: str, budget: int | None, block: int) -> st
 def timed_prefill(params, ids, policy: str, budget: int | None, block: int) -> dict:
     """Time one (warm) prefill + the first greedy token on the host (= time to first token)."""
     import jax.numpy as jnp
+
     import vdjax
-    from vdjax.compilation import count_compiles
+    from vdjax.engine.timing import count_compiles
 
     with OtherLoad() as ol, count_compiles() as compiled:
         t0 = time.perf_counter()
@@ -213,10 +219,12 @@ def worker_prefill(a) -> dict:
     """One prompt length in a fresh process: warm + timed prefill for each policy; memory of the first."""
     _jax_setup()
     import psutil
+
     import vdjax
 
     params = vdjax.load(a.model)
-    out = {"T": a.T, "rss_load_mb": peak_rss_mb(), "rss_loaded_mb": psutil.Process().memory_info().rss / 2**20}
+    out = {"T": a.T, "rss_load_mb": peak_rss_mb(),
+           "rss_loaded_mb": psutil.Process().memory_info().rss / 2**20}
     ids = np.load(a.tokens)[: a.T]
     pols = a.policies.split(",")
     for i, pol in enumerate(pols):
@@ -241,7 +249,7 @@ def worker_compile(a) -> dict:
     """Prefill at `count` random lengths in [lo, hi] in a fresh process: programs compiled and wall time."""
     _jax_setup()
     import vdjax
-    from vdjax.compilation import count_compiles
+    from vdjax.engine.timing import count_compiles
 
     params = vdjax.load(a.model)
     ids = np.load(a.tokens)
@@ -339,7 +347,8 @@ class Store:
                 return res  # not saved: a resumed run tries again
             self.data[key] = res
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text(json.dumps({"settings": self.settings, "data": self.data}, default=_jsonable))
+            self.path.write_text(json.dumps({"settings": self.settings, "data": self.data},
+                                            default=_jsonable))
         return self.data[key]
 
 
@@ -376,18 +385,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--model", default="smollm2-135m", help="registered name or HF checkpoint folder")
     ap.add_argument("--quick", action="store_true", help="small lengths: a smoke run of every section")
     ap.add_argument("--lengths", help="comma-separated prefill lengths (default 1k..32k; --quick 256,512,1k)")
-    ap.add_argument("--ttft-lengths", help="comma-separated TTFT lengths (default 4096,8192; --quick 512,1024)")
+    ap.add_argument("--ttft-lengths",
+                    help="comma-separated TTFT lengths (default 4096,8192; --quick 512,1024)")
     ap.add_argument("--block", type=int, default=128)
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--out", default=str(ROOT / "results" / "bench.md"))
     ap.add_argument("--max-wait", type=float, default=120.0,
                     help="seconds to wait, before each timed section, for other processes to go idle")
     ap.add_argument("--ttft-reps", type=int, default=3,
-                    help="timed prefills per policy at the TTFT lengths (alternating policies; the best counts)")
+                    help="timed prefills per policy at the TTFT lengths (alternating policies; the best "
+                         "counts)")
     ap.add_argument("--retries", type=int, default=1,
-                    help=f"re-measure (keeping the fastest) when other processes used > {BUSY} cores meanwhile")
+                    help=f"re-measure (keeping the fastest) when other processes used > {BUSY} cores "
+                         "meanwhile")
     ap.add_argument("--resume", action="store_true",
-                    help="reuse the measurements an interrupted run with the same settings saved (<out>.partial.json)")
+                    help="reuse the measurements an interrupted run with the same settings saved "
+                         "(<out>.partial.json)")
     ap.add_argument("--skip-hf-eager", action="store_true", help="do not run HF eager attention")
     # worker mode (internal)
     ap.add_argument("--worker", choices=["prefill", "compile"], help=argparse.SUPPRESS)
@@ -415,7 +428,7 @@ class Run:
         self.cc_lo, self.cc_hi, self.cc_count = (200, 700, 5) if a.quick else (1000, 4000, 20)
         self.B, self.N = a.block, a.budget
         self.jax = _jax_setup()
-        from vdjax import registry
+        from vdjax.loading import registry
 
         self.folder = registry.resolve(a.model)
         self.cores = n_cores()
@@ -424,8 +437,8 @@ class Run:
         self.ids_all, self.corpus_n = corpus_tokens(tokenizer, self.need)
         self.tok_file = Path(tempfile.mkdtemp(prefix="vdbench-")) / "tokens.npy"
         np.save(self.tok_file, self.ids_all)
-        settings = {"model": str(a.model), "quick": a.quick, "lengths": self.lengths, "ttft": self.ttft_lengths,
-                    "B": a.block, "N": a.budget, "eager": not a.skip_hf_eager,
+        settings = {"model": str(a.model), "quick": a.quick, "lengths": self.lengths,
+                    "ttft": self.ttft_lengths, "B": a.block, "N": a.budget, "eager": not a.skip_hf_eager,
                     "tokens": int(self.ids_all.sum() % 1000003)}
         self.store = Store(Path(a.out).with_suffix(".partial.json"), settings, a.resume, self.log)
 
@@ -440,8 +453,8 @@ class Run:
         wait_idle(self.a.max_wait, log=self.log)
 
     def best(self, measure, seconds, load, retries=None):
-        return best_of(measure, seconds, load, self.a.retries if retries is None else retries, self.a.max_wait,
-                       self.log)
+        return best_of(measure, seconds, load, self.a.retries if retries is None else retries,
+                       self.a.max_wait, self.log)
 
 
 def header(r: Run) -> None:
@@ -453,22 +466,23 @@ def header(r: Run) -> None:
     tot_gb, avail_gb = mem_total_available_gb()
     r.emit(f"# vdjax benchmark — {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}")
     r.emit()
-    r.emit(f"- machine: {cores} cores ({cpu_model()}), {tot_gb:.1f} GiB RAM ({avail_gb:.1f} available at start), "
-           f"{platform.system()} {platform.release()}, Python {platform.python_version()}")
-    r.emit(f"- versions: jax {jax.__version__} (backend {jax.default_backend()}, {jax.device_count()} device), "
-           f"torch {torch.__version__}, transformers {transformers.__version__}, numpy {np.__version__}")
+    r.emit(f"- machine: {cores} cores ({cpu_model()}), {tot_gb:.1f} GiB RAM ({avail_gb:.1f} available at "
+           f"start), {platform.system()} {platform.release()}, Python {platform.python_version()}")
+    r.emit(f"- versions: jax {jax.__version__} (backend {jax.default_backend()}, {jax.device_count()} "
+           f"device), torch {torch.__version__}, transformers {transformers.__version__}, "
+           f"numpy {np.__version__}")
     r.emit(f"- vdjax tree: {git_state()}")
-    r.emit(f"- model: `{a.model}` → `{r.folder}` (fp32); prompts: CPython pydoc topics text tokenized with the "
-           f"model's tokenizer ({r.corpus_n} tokens; {'repeated to reach' if r.corpus_n < r.need else 'enough for'} "
-           f"the {r.need} needed)")
+    r.emit(f"- model: `{a.model}` → `{r.folder}` (fp32); prompts: CPython pydoc topics text tokenized with "
+           f"the model's tokenizer ({r.corpus_n} tokens; "
+           f"{'repeated to reach' if r.corpus_n < r.need else 'enough for'} the {r.need} needed)")
     r.emit(f"- threads: XLA:CPU sizes its intra-op pool to the {cores} visible cores; HF runs with "
            f"torch.set_num_threads({cores})")
-    r.emit(f"- vdjax settings: block B={r.B}, budget N={r.N}; all vdjax timings warm (program compiled first, "
-           f"checked: the timed call compiled nothing unless noted)")
+    r.emit(f"- vdjax settings: block B={r.B}, budget N={r.N}; all vdjax timings warm (program compiled "
+           f"first, checked: the timed call compiled nothing unless noted)")
     r.emit(f"- mode: {'--quick' if a.quick else 'full'}; 'other load' = cores kept busy by *other* processes "
            f"during a measurement (the machine is shared; above {BUSY} a measurement is repeated up to "
-           f"{a.retries} time(s) after waiting for quiet, keeping the fastest; a remaining high value means the "
-           f"number is pessimistic)")
+           f"{a.retries} time(s) after waiting for quiet, keeping the fastest; a remaining high value means "
+           f"the number is pessimistic)")
     r.emit()
 
 
@@ -512,21 +526,23 @@ def vdjax_prefill(r: Run) -> dict[int, dict]:
 
         def measure(argv=argv, pols=pols):
             r.wait()
-            return r.best(lambda: run_worker(argv, r.log), lambda x: x.get("valuediff", {}).get("s", math.inf),
-                          lambda x: max((x[p_]["other_load"] for p_ in pols.split(",") if p_ in x), default=0.0))
+            return r.best(lambda: run_worker(argv, r.log),
+                          lambda x: x.get("valuediff", {}).get("s", math.inf),
+                          lambda x: max((x[p_]["other_load"] for p_ in pols.split(",") if p_ in x),
+                                        default=0.0))
 
         res = r.store.get(f"prefill:{T}:{pols}" + (f":x{reps}" if reps > 1 else ""), measure)
         pf[T] = res
         vd = res.get("valuediff", {})
         r.log(f"  T={T}: {f1(vd.get('tok_s'))} tok/s, peak RSS {f1(res.get('rss_prefill_peak_mb'), 0)} MB, "
-              f"process {time.perf_counter() - t0:.0f} s" + (f", streaming {f1(res['streaming']['tok_s'])} tok/s"
-                                                             if "streaming" in res else ""))
+              f"process {time.perf_counter() - t0:.0f} s"
+              + (f", streaming {f1(res['streaming']['tok_s'])} tok/s" if "streaming" in res else ""))
     return pf
 
 
-def hf_prefill(r: Run, hf: "HF", heads: int) -> dict[str, dict[int, tuple]]:
-    """HF's dense forward (last logits only) per length and attention implementation: (seconds, other load),
-    or (None, why skipped)."""
+def hf_prefill(r: Run, hf: HF, heads: int) -> dict[str, dict[int, tuple]]:
+    """HF's dense forward (last logits only) per length and attention implementation: (seconds, other
+    load), or (None, why skipped)."""
     r.log("[1] HF transformers dense forward ...")
     out: dict[str, dict[int, tuple]] = {}
     for impl in r.impls:
@@ -535,7 +551,7 @@ def hf_prefill(r: Run, hf: "HF", heads: int) -> dict[str, dict[int, tuple]]:
         done: list[tuple[int, float]] = []
         for T in sorted(r.lengths):
 
-            def measure(T=T, impl=impl):
+            def measure(T=T, impl=impl, done=done):
                 nonlocal warmed
                 _, avail = mem_total_available_gb()
                 attn_gb = heads * T * T * 4 / 2**30
@@ -544,7 +560,8 @@ def hf_prefill(r: Run, hf: "HF", heads: int) -> dict[str, dict[int, tuple]]:
                                   f"{attn_gb:.1f} GiB x ~3 copies vs {avail:.1f} GiB available: OOM risk)")
                 if done:
                     (t1, s1) = done[-1]
-                    # attention's share grows with T: assume at least T^1.5 growth (measured exponent, clipped)
+                    # attention's share grows with T: assume at least T^1.5 growth (measured exponent,
+                    # clipped)
                     e = 1.5
                     if len(done) >= 2:
                         e = min(2.0, max(1.5, math.log(s1 / done[-2][1]) / math.log(t1 / done[-2][0])))
@@ -573,7 +590,8 @@ def prefill_table(r: Run, pf: dict, hf_pf: dict) -> None:
     r.emit("## 1. Block prefill throughput (tokens/s, warm)")
     r.emit()
     r.emit(f"vdjax `prefill(policy='valuediff', budget={r.N}, block_size={r.B})` vs HF `model(ids, "
-           f"logits_to_keep=1)` (dense, fp32, {r.cores} threads). Ratio = vdjax / HF sdpa (HF's fastest path).")
+           f"logits_to_keep=1)` (dense, fp32, {r.cores} threads). Ratio = vdjax / HF sdpa (HF's fastest "
+           f"path).")
     r.emit()
     rows = []
     for T in sorted(r.lengths):
@@ -593,8 +611,8 @@ def prefill_table(r: Run, pf: dict, hf_pf: dict) -> None:
                     + ["vdjax / HF sdpa", "other load (vdjax / HF)", "compiles in timed call"], rows))
     warm_how = {pf[T].get("valuediff", {}).get("warm", "?") for T in r.lengths}
     r.emit()
-    r.emit(f"Warm-up: {'; '.join(sorted(warm_how))}. Lengths also in section 4 show the best of {r.a.ttft_reps} "
-           f"timed runs, the others one run.")
+    r.emit(f"Warm-up: {'; '.join(sorted(warm_how))}. Lengths also in section 4 show the best of "
+           f"{r.a.ttft_reps} timed runs, the others one run.")
     r.emit()
 
 
@@ -634,7 +652,7 @@ def vdjax_decode(r: Run) -> dict:
     return dec
 
 
-def hf_decode(r: Run, hf: "HF") -> dict:
+def hf_decode(r: Run, hf: HF) -> dict:
     """HF `generate` decode tok/s at batch 1 and the decode batch."""
     p1 = r.ids_all[:r.dec_prompt]
     pb = np.stack([r.ids_all[i * r.dec_prompt:(i + 1) * r.dec_prompt] for i in range(r.dec_batch)])
@@ -686,8 +704,8 @@ def decode_table(r: Run, dec: dict, hf_dec: dict, ceil) -> None:
             hf_row(hf_dec["b1"], 1),
             row(f"vdjax valuediff N={N}", dec["vd_b"], batch, hf_dec["b4"]),
             hf_row(hf_dec["b4"], batch)]
-    r.emit(md_table(["engine", "batch", "cache slots/head", "decode tok/s (all rows)", "bandwidth ceiling tok/s",
-                     "vs HF (same batch)", "TTFT s", "other load"], rows))
+    r.emit(md_table(["engine", "batch", "cache slots/head", "decode tok/s (all rows)",
+                     "bandwidth ceiling tok/s", "vs HF (same batch)", "TTFT s", "other load"], rows))
     r.emit()
     same_tokens = bool(np.array_equal(dec["vd_same"]["tokens"], dec["dense"]["tokens"]))
     r.emit(f"- valuediff N={N} / dense: {f1(ratio(dec['vd']['tok_s'], dec['dense']['tok_s']), 2)}x; "
@@ -701,10 +719,11 @@ def rss_table(r: Run, pf: dict) -> float | None:
     """Section 3: peak RSS per prefill length; returns RSS(longest) / RSS(4k or shortest)."""
     r.emit("## 3. Peak RSS of a vdjax block prefill (fresh process per T)")
     r.emit()
-    r.emit(f"One process per T loads the model, compiles and prefills T tokens (valuediff, N={r.N}, B={r.B}). "
-           "'peak' columns are the process's own high-water mark (VmHWM; `ru_maxrss` would include the parent's "
-           "RSS at fork), loading included; 'sampled peak' is the highest RSS a 10 ms psutil poller saw during "
-           "compile + prefill, the number the ratio uses (loading can peak higher and hide the prefill).")
+    r.emit(f"One process per T loads the model, compiles and prefills T tokens (valuediff, N={r.N}, "
+           f"B={r.B}). 'peak' columns are the process's own high-water mark (VmHWM; `ru_maxrss` would "
+           "include the parent's RSS at fork), loading included; 'sampled peak' is the highest RSS a 10 ms "
+           "psutil poller saw during compile + prefill, the number the ratio uses (loading can peak higher "
+           "and hide the prefill).")
     r.emit()
     rows = []
     ref_rss = pf[min(r.lengths)].get("rss_prefill_peak_mb")
@@ -732,8 +751,8 @@ def ttft_table(r: Run, pf: dict) -> dict[int, float | None]:
     """Section 4: valuediff vs streaming time to first token; returns their ratio per length."""
     r.emit("## 4. Time to first token: ValueDiff vs StreamingLLM (warm, same process, same prompt)")
     r.emit()
-    r.emit(f"Prefill + greedy first token, B={r.B}, N={r.N}; best of {r.a.ttft_reps} timed runs per policy, the "
-           f"policies alternating (all runs listed).")
+    r.emit(f"Prefill + greedy first token, B={r.B}, N={r.N}; best of {r.a.ttft_reps} timed runs per policy, "
+           f"the policies alternating (all runs listed).")
     r.emit()
     rows, ratios = [], {}
     for T in r.ttft_lengths:
@@ -741,7 +760,8 @@ def ttft_table(r: Run, pf: dict) -> dict[int, float | None]:
         ratios[T] = ratio(vd.get("s"), st.get("s"))
         runs = lambda d: ", ".join(f"{x:.2f}" for x in d.get("runs_s", []))  # noqa: E731
         rows.append([klabel(T), f1(vd.get("s"), 2), f1(st.get("s"), 2), fx(ratios[T], 3),
-                     f"{runs(vd)} / {runs(st)}", f"{f1(vd.get('other_load'), 2)} / {f1(st.get('other_load'), 2)}"])
+                     f"{runs(vd)} / {runs(st)}",
+                     f"{f1(vd.get('other_load'), 2)} / {f1(st.get('other_load'), 2)}"])
     r.emit(md_table(["T", "valuediff s", "streaming s", "valuediff / streaming", "all runs s (vd / st)",
                      "other load of the best (vd / st)"], rows))
     r.emit()
@@ -754,9 +774,9 @@ def compile_section(r: Run) -> dict:
 
     def measure():
         r.wait()
-        return run_worker(["--worker", "compile", "--model", str(r.a.model), "--tokens", str(r.tok_file), "--lo",
-                           str(r.cc_lo), "--hi", str(r.cc_hi), "--count", str(r.cc_count), "--block", str(r.B),
-                           "--budget", str(r.N)], r.log)
+        return run_worker(["--worker", "compile", "--model", str(r.a.model), "--tokens", str(r.tok_file),
+                           "--lo", str(r.cc_lo), "--hi", str(r.cc_hi), "--count", str(r.cc_count), "--block",
+                           str(r.B), "--budget", str(r.N)], r.log)
 
     cc = r.store.get("compile", measure)
     r.emit(f"## 5. Compiled programs over {r.cc_count} random prompt lengths in [{r.cc_lo}, {r.cc_hi}]")
@@ -766,7 +786,7 @@ def compile_section(r: Run) -> dict:
     else:
         comp_s = sum(c["s"] for c in cc["calls"] if c["compiled"])
         r.emit(f"prefill(valuediff, N={r.N}, B={r.B}) in a fresh process, programs counted with "
-               "`vdjax.compilation.count_compiles`.")
+               "`vdjax.engine.timing.count_compiles`.")
         r.emit()
         fast = [c for c in cc["calls"] if not c["compiled"]]
         r.emit(md_table(["calls", "programs compiled", "total wall s", "calls that compiled: s",
@@ -781,7 +801,8 @@ def compile_section(r: Run) -> dict:
     return cc
 
 
-def bandwidth_table(r: Run, bws: dict, weight_bytes: int, kv_bytes, ceil, dense_slots: int, hf_dec: dict) -> None:
+def bandwidth_table(r: Run, bws: dict, weight_bytes: int, kv_bytes, ceil, dense_slots: int,
+                    hf_dec: dict) -> None:
     """Section 6: the numbers the ceilings come from."""
     N, batch = r.N, r.dec_batch
     r.emit("## 6. Memory-bandwidth context")
@@ -793,7 +814,7 @@ def bandwidth_table(r: Run, bws: dict, weight_bytes: int, kv_bytes, ceil, dense_
          f"{weight_bytes / 1e6:.0f} MB"],
         [f"KV cache bytes read per step, N={N} / dense {dense_slots} slots",
          f"{kv_bytes(N) / 1e6:.1f} MB / {kv_bytes(dense_slots) / 1e6:.1f} MB"],
-        ["decode ceiling, batch 1 (bandwidth / (weights + KV N=%d))" % N, f"{ceil(N):.1f} tok/s"],
+        [f"decode ceiling, batch 1 (bandwidth / (weights + KV N={N}))", f"{ceil(N):.1f} tok/s"],
         [f"decode ceiling, batch {batch}", f"{ceil(N, batch):.1f} tok/s"],
         ["HF generate batch 1 as a fraction of that ceiling",
          f"{hf_dec['b1']['tok_s'] / ceil(r.dec_prompt + r.dec_new):.0%}"],

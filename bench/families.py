@@ -24,15 +24,15 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-_YARN = (("beta_fast", 32.0), ("beta_slow", 1.0), ("factor", 32.0), ("original_max_position_embeddings", 4096),
-         ("rope_type", "yarn"), ("truncate", False))
+_YARN = (("beta_fast", 32.0), ("beta_slow", 1.0), ("factor", 32.0),
+         ("original_max_position_embeddings", 4096), ("rope_type", "yarn"), ("truncate", False))
 GPT_OSS_SMALL = dict(family="gpt_oss", vocab_size=32000, hidden_size=720, intermediate_size=720, num_layers=4,
                      num_heads=16, num_kv_heads=2, head_dim=64, rope_theta=150000.0, rope_scaling=_YARN,
-                     layer_types=("sliding_attention", "full_attention") * 2, sliding_window=128, qkv_bias=True,
-                     o_bias=True, sinks=True, num_experts=32, experts_per_token=4)
-QWEN3_5_SMALL = dict(family="qwen3_5", vocab_size=32000, hidden_size=512, intermediate_size=1536, num_layers=8,
-                     num_heads=4, num_kv_heads=2, head_dim=256, rms_norm_eps=1e-6, rope_theta=1e7, norm_offset=1.0,
-                     qk_norm=True, attn_gate=True, rotary_dim=64,
+                     layer_types=("sliding_attention", "full_attention") * 2, sliding_window=128,
+                     qkv_bias=True, o_bias=True, sinks=True, num_experts=32, experts_per_token=4)
+QWEN3_5_SMALL = dict(family="qwen3_5", vocab_size=32000, hidden_size=512, intermediate_size=1536,
+                     num_layers=8, num_heads=4, num_kv_heads=2, head_dim=256, rms_norm_eps=1e-6,
+                     rope_theta=1e7, norm_offset=1.0, qk_norm=True, attn_gate=True, rotary_dim=64,
                      layer_types=("linear_attention",) * 3 + ("full_attention",) + ("linear_attention",) * 3
                      + ("full_attention",), linear_num_key_heads=4, linear_num_value_heads=8,
                      linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel=4)
@@ -40,7 +40,7 @@ QWEN3_5_SMALL = dict(family="qwen3_5", vocab_size=32000, hidden_size=512, interm
 
 def _params(shape: dict):
     from vdjax.models.config import ModelConfig
-    from vdjax.models.spec import init_params
+    from vdjax.models.weights import init_params
 
     return init_params(ModelConfig(**shape), 0, scale=0.05)
 
@@ -79,8 +79,8 @@ def moe_section(length: int) -> list[str]:
             print(f"moe {dispatch:13s} {policy:9s} {rows[dispatch, policy]:.0f} tok/s", flush=True)
     M.grouped = grouped
     cfg = params.config
-    out = [f"## GPT-OSS-shaped MoE prefill, {length} tokens (hidden {cfg.hidden_size}, {cfg.num_layers} layers, "
-           f"{cfg.num_experts} experts top {cfg.experts_per_token}, fp32, B=128)", "",
+    out = [f"## GPT-OSS-shaped MoE prefill, {length} tokens (hidden {cfg.hidden_size}, {cfg.num_layers} "
+           f"layers, {cfg.num_experts} experts top {cfg.experts_per_token}, fp32, B=128)", "",
            "| policy | grouped dispatch (tok/s) | every expert (tok/s) | speed-up |", "|---|---|---|---|"]
     for policy in ("dense", "valuediff"):
         g, d = rows["grouped", policy], rows["every expert", policy]
@@ -96,8 +96,9 @@ def linear_section(lengths: list[int]) -> list[str]:
         rate[n] = n / _prefill_s(params, n, "valuediff", 2048, repeats=1 if n > 8192 else 2)
         print(f"linear {n:6d} {rate[n]:.0f} tok/s", flush=True)
     base = rate[lengths[0]]
-    out = ["## Qwen3.5-shaped evicting prefill (valuediff N=2048, B=128; hidden 512, 6 Gated DeltaNet + 2 gated "
-           "attention layers, fp32)", "", "| prompt | tok/s | / first | target ≥ 0.9 |", "|---|---|---|---|"]
+    out = ["## Qwen3.5-shaped evicting prefill (valuediff N=2048, B=128; hidden 512, 6 Gated DeltaNet + 2 "
+           "gated attention layers, fp32)", "", "| prompt | tok/s | / first | target ≥ 0.9 |",
+           "|---|---|---|---|"]
     out += [f"| {n} | {rate[n]:.0f} | {rate[n] / base:.2f} | {'PASS' if rate[n] / base >= 0.9 else 'FAIL'} |"
             for n in lengths]
     return out

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""GPU/TPU benchmark: compile time, time to first token, decode speed and peak device memory, each beside its floor.
+"""GPU/TPU benchmark: compile time, time to first token, decode speed and peak device
+memory, each beside its floor.
 
     python bench/gpu.py                                  # Qwen3-4B shape, bf16, 32k + 128k, B=128, N=2048
     python bench/gpu.py --shape gpt-oss-20b --lengths 65536   # the paper's Table 9 setting (B=128, N=2048)
@@ -14,9 +15,9 @@ gpt-oss-20b (24 layers alternating sliding-128 / full, 64/8 heads of 64, 32 expe
 201088, YaRN). Decode: `--decode-steps` greedy steps after a `--decode-context`-token prompt (batch 1), their
 floor = (weight bytes a step reads + cache bytes) / bandwidth; an MoE step reads only its top-k experts.
 
-One self-contained script for one call on a machine with a GPU or TPU. The model is random-initialised with the
-shape of Qwen3-4B (36 layers, hidden 2560, 32 query / 8 KV heads of 128, MLP 9728, vocab 151936, q/k-norm) in
-bf16: speed and memory do not depend on the weights' values. For each prompt length and policy (dense,
+One self-contained script for one call on a machine with a GPU or TPU. The model is random-initialised with
+the shape of Qwen3-4B (36 layers, hidden 2560, 32 query / 8 KV heads of 128, MLP 9728, vocab 151936, q/k-norm)
+in bf16: speed and memory do not depend on the weights' values. For each prompt length and policy (dense,
 streaming, valuediff) a fresh subprocess compiles the prefill ahead of time, then times one prefill (block
 B=128, cache N=2048; dense keeps everything) to the first token, and reads the device's peak memory.
 
@@ -43,14 +44,16 @@ QWEN3_5 = dict(family="qwen3_5", vocab_size=248320, hidden_size=4096, intermedia
                num_heads=16, num_kv_heads=4, head_dim=256, rms_norm_eps=1e-6, rope_theta=1e7, norm_offset=1.0,
                qk_norm=True, attn_gate=True, rotary_dim=64, max_position_embeddings=262144,
                layer_types=("linear_attention",) * 3 + ("full_attention",), linear_num_key_heads=16,
-               linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel=4)
+               linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+               linear_conv_kernel=4)
 QWEN3_5["layer_types"] = QWEN3_5["layer_types"] * 8
-_YARN = (("beta_fast", 32.0), ("beta_slow", 1.0), ("factor", 32.0), ("original_max_position_embeddings", 4096),
-         ("rope_type", "yarn"), ("truncate", False))
-GPT_OSS_20B = dict(family="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_layers=24,
-                   num_heads=64, num_kv_heads=8, head_dim=64, rope_theta=150000.0, rope_scaling=_YARN,
-                   layer_types=("sliding_attention", "full_attention") * 12, sliding_window=128, qkv_bias=True,
-                   o_bias=True, sinks=True, num_experts=32, experts_per_token=4, max_position_embeddings=131072)
+_YARN = (("beta_fast", 32.0), ("beta_slow", 1.0), ("factor", 32.0),
+         ("original_max_position_embeddings", 4096), ("rope_type", "yarn"), ("truncate", False))
+GPT_OSS_20B = dict(family="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+                   num_layers=24, num_heads=64, num_kv_heads=8, head_dim=64, rope_theta=150000.0,
+                   rope_scaling=_YARN, layer_types=("sliding_attention", "full_attention") * 12,
+                   sliding_window=128, qkv_bias=True, o_bias=True, sinks=True, num_experts=32,
+                   experts_per_token=4, max_position_embeddings=131072)
 TINY = dict(QWEN3_4B, vocab_size=1024, hidden_size=256, intermediate_size=512, num_layers=4, num_heads=4,
             num_kv_heads=2, head_dim=64)
 SHAPES = {"qwen3-4b": (QWEN3_4B, "32768,131072"), "qwen3.5": (QWEN3_5, "32768,131072"),
@@ -64,13 +67,14 @@ def random_params(shape: dict, seed: int = 0):
     import jax.numpy as jnp
 
     from vdjax.models.config import ModelConfig
-    from vdjax.models.spec import init_params
+    from vdjax.models.weights import init_params
 
     return init_params(ModelConfig(**shape), seed, scale=0.02, dtype=jnp.bfloat16, on_device=True)
 
 
 def bandwidth_gbs(nbytes: int = 2 << 30) -> float:
-    """Device memory bandwidth (GB/s): best of 5 on-device copies x -> x + 1 of `nbytes` bf16 (read + write)."""
+    """Device memory bandwidth (GB/s): best of 5 on-device copies x -> x + 1 of
+    `nbytes` bf16 (read + write)."""
     import jax
     import jax.numpy as jnp
 
@@ -122,7 +126,7 @@ def worker(a) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from vdjax.pipeline import compile_prefill
+    from vdjax.engine.api import compile_prefill
 
     params = random_params(SHAPES[a.shape][0])
     weight_bytes = params.nbytes()  # (an MoE prefill block of 128 x k tokens reaches nearly every expert)
@@ -137,8 +141,9 @@ def worker(a) -> dict:
     first = int(jnp.argmax(logits[0]))  # the first token: what TTFT waits for
     ttft = time.perf_counter() - t
     stats = jax.devices()[0].memory_stats() or {}
-    return {"length": a.length, "policy": a.policy, "ttft_s": ttft, "compile_s": compile_s, "first_token": first,
-            "blocks": int(p.tokens.shape[1] // p.block), "slots": p.slots, "weight_bytes": weight_bytes,
+    return {"length": a.length, "policy": a.policy, "ttft_s": ttft, "compile_s": compile_s,
+            "first_token": first, "blocks": int(p.tokens.shape[1] // p.block), "slots": p.slots,
+            "weight_bytes": weight_bytes,
             "cache_bytes": cache.nbytes(), "peak_bytes": stats.get("peak_bytes_in_use"),
             "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend()}
 
@@ -150,7 +155,8 @@ def secs(x: float) -> str:
 
 def _spawn(args: list[str], env) -> dict:
     """Run one worker in a fresh process -> its RESULT dict, or {"error": the last lines of its output}."""
-    proc = subprocess.run([sys.executable, __file__, "--worker", *args], capture_output=True, text=True, env=env)
+    proc = subprocess.run([sys.executable, __file__, "--worker", *args], capture_output=True, text=True,
+                          env=env)
     found = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not found:
         return {"error": " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])}
@@ -164,13 +170,15 @@ def prefill_rows(a, shape: str, lengths, policies, budget, bw, env) -> list[dict
         for policy in policies:
             t = time.perf_counter()
             r = _spawn(["--length", str(length), "--policy", policy, "--block", str(a.block), "--budget",
-                        str(budget), "--shape", shape], env) | {"shape": shape, "length": length, "policy": policy}
+                        str(budget), "--shape", shape], env) | {"shape": shape, "length": length,
+                                                                "policy": policy}
             if "error" in r:
                 print(f"{shape} {length} {policy}: FAILED ({r['error']})")
             else:
                 r["floor_s"] = r["weight_bytes"] * r["blocks"] / (bw * 1e9)
-                print(f"{shape} {length} {policy}: TTFT {secs(r['ttft_s'])} s (floor {secs(r['floor_s'])} s), "
-                      f"compile {r['compile_s']:.1f} s, wall {time.perf_counter() - t:.0f} s")
+                print(f"{shape} {length} {policy}: TTFT {secs(r['ttft_s'])} s "
+                      f"(floor {secs(r['floor_s'])} s), compile {r['compile_s']:.1f} s, "
+                      f"wall {time.perf_counter() - t:.0f} s")
             rows.append(r)
     return rows
 
@@ -179,8 +187,9 @@ def decode_rows(a, shape: str, policies, budget, bw, env) -> list[dict]:
     """The decode table's rows of one shape (batch 1)."""
     rows = []
     for policy in policies:
-        r = _spawn(["--decode", "--policy", policy, "--block", str(a.block), "--budget", str(budget), "--shape",
-                    shape, "--decode-context", str(a.decode_context), "--decode-steps", str(a.decode_steps)], env)
+        r = _spawn(["--decode", "--policy", policy, "--block", str(a.block), "--budget", str(budget),
+                    "--shape", shape, "--decode-context", str(a.decode_context), "--decode-steps",
+                    str(a.decode_steps)], env)
         r |= {"shape": shape, "policy": policy}
         if "error" not in r:
             r["floor_s"] = r["steps"] * (r["weight_bytes"] + r["cache_bytes"]) / (bw * 1e9)
@@ -218,15 +227,17 @@ def main() -> int:
 
     backend = jax.default_backend()
     if backend == "cpu" and not a.allow_cpu:
-        print(f"No GPU visible (nor TPU): jax.default_backend() = {backend!r}, devices {jax.devices()}. This benchmark "
-              "needs a GPU with a CUDA jaxlib (pip install 'jax[cuda12]') or a TPU (jax[tpu]); nothing was measured.")
+        print(f"No GPU visible (nor TPU): jax.default_backend() = {backend!r}, devices {jax.devices()}. "
+              "This benchmark needs a GPU with a CUDA jaxlib (pip install 'jax[cuda12]') or a TPU "
+              "(jax[tpu]); nothing was measured.")
         return 0
     shapes = [k for k in SHAPES if k != "tiny"] if a.all else [a.shape]
     budget = a.budget if a.shape != "tiny" or a.budget != 2048 else 256
     policies = [x.strip() for x in a.policies.split(",") if x.strip()]
     bw = bandwidth_gbs((256 << 20) if backend == "cpu" else (2 << 30))
     print(f"backend {backend}, device {jax.devices()[0].device_kind}, measured bandwidth {bw:.0f} GB/s")
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")  # peak_bytes_in_use then means what was used
+    # peak_bytes_in_use then means what was used
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     rows, decodes = [], []
     for shape in shapes:
         lengths = [int(x) for x in (a.lengths or SHAPES[shape][1]).split(",")]
@@ -239,20 +250,23 @@ def main() -> int:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
-    out.with_suffix(".json").write_text(json.dumps({"bandwidth_gbs": bw, "rows": rows, "decode": decodes}, indent=1))
+    out.with_suffix(".json").write_text(json.dumps({"bandwidth_gbs": bw, "rows": rows, "decode": decodes},
+                                                   indent=1))
     return 1 if any("error" in r for r in rows + decodes) else 0
 
 
 def table(a, rows, decodes, backend, device, bw) -> list[str]:
     """The markdown report: prefill (compile, TTFT vs floor, peak memory) and decode (tok/s vs floor)."""
-    head = ("| shape | prompt | policy | N | TTFT (s) | floor (s) | TTFT / floor | target ≤ 2× | peak device mem (GB) | "
-            "cache (GB) | compile (s) |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    head = ("| shape | prompt | policy | N | TTFT (s) | floor (s) | TTFT / floor | target ≤ 2× | "
+            "peak device mem (GB) | cache (GB) | compile (s) |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [f"# vdjax on {device} (bf16, B={a.block})", "",
-             f"backend {backend}, bandwidth {bw:.0f} GB/s (measured); prefill floor = weight bytes x blocks / "
-             "bandwidth", "", head]
+             f"backend {backend}, bandwidth {bw:.0f} GB/s (measured); prefill floor = weight bytes x "
+             "blocks / bandwidth", "", head]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['shape']} | {r['length']} | {r['policy']} | | failed: {r['error']} | | | | | | |")
+            lines.append(f"| {r['shape']} | {r['length']} | {r['policy']} | | failed: {r['error']} "
+                         "| | | | | | |")
             continue
         ratio = r["ttft_s"] / r["floor_s"]
         peak = "n/a" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.1f}"
@@ -263,7 +277,8 @@ def table(a, rows, decodes, backend, device, bw) -> list[str]:
               f"(Table 9): TTFT {PAPER_GPT_OSS_65K[0]} s dense -> {PAPER_GPT_OSS_65K[1]} s evicting."]
     if decodes:
         lines += ["", f"## Decode, batch 1, {a.decode_context}-token prompt, {a.decode_steps} steps", "",
-                  "| shape | policy | tok/s | floor tok/s | / floor | target ≥ 0.8 | first call (s, compile incl.) |",
+                  "| shape | policy | tok/s | floor tok/s | / floor | target ≥ 0.8 | "
+                  "first call (s, compile incl.) |",
                   "|---|---|---|---|---|---|---|"]
         for r in decodes:
             if "error" in r:

@@ -1,22 +1,23 @@
 #!/usr/bin/env python
-"""Where users feel speed: compile time per program, dense and short-prompt prefill vs HF, decode vs its ceiling.
+"""Where users feel speed: compile time per program, dense and short-prompt
+prefill vs HF, decode vs its ceiling.
 
     VDJAX_CACHE=/tmp/vdcache .venv/bin/python bench/speed.py              # SmolLM2-135M fp32, ~8 min quiet
     .venv/bin/python bench/speed.py --sections compile,decode --out results/speed.md
 
 Sections (each a Markdown table, all measured in this one run, warm unless it says compile):
 1. compile: seconds to compile the prefill + decode programs of one new (policy, budget, length bucket), per
-   policy, in a fresh process with the persistent compile cache off (`vdjax.compilation.count_compiles` /
+   policy, in a fresh process with the persistent compile cache off (`vdjax.engine.timing.count_compiles` /
    `timed_run`'s compile spans).
 2. prefill: dense and valuediff (N=512, B=128) prefill tok/s at 1k, 2k, 4k, 8k against one dense HF sdpa
    forward (`logits_to_keep=1`, torch on the same cores).
 3. decode: valuediff N=512 greedy decode tok/s at batch 1, 4, 16 after a 1k prompt, against the
-   weight-streaming ceiling rows x bandwidth / (weight bytes + KV bytes read per step), bandwidth measured here
-   (jax.jit sum over 1 GiB), and against the matvec floor: one jitted program of nothing but the model's
+   weight-streaming ceiling rows x bandwidth / (weight bytes + KV bytes read per step), bandwidth measured
+   here (jax.jit sum over 1 GiB), and against the matvec floor: one jitted program of nothing but the model's
    weight products for `batch` rows (every layer matrix and the LM head, no attention, no cache), i.e. what
    XLA's own dots reach on these shapes.
-4. layer scan (with `--sections scan`, or in the default set): valuediff compile s, 2k prefill tok/s and batch-1
-   decode tok/s with the layers unrolled and with `layer_scan=True`, in this one run.
+4. layer scan (with `--sections scan`, or in the default set): valuediff compile s, 2k prefill tok/s and
+   batch-1 decode tok/s with the layers unrolled and with `layer_scan=True`, in this one run.
 Uses only the public API, so the same script times an older checkout (run it from that checkout).
 """
 
@@ -54,7 +55,7 @@ def compile_worker(model: str, policy: str, length: int, budget: int, scan: bool
     """One policy's first call in a fresh process: compile seconds of prefill + decode (compile cache off),
     and the same call again warm (first call wall - warm wall is what compiling cost the user)."""
     import vdjax  # noqa: F401
-    from vdjax.compilation import timed_run
+    from vdjax.engine.timing import timed_run
 
     params = _params(model)
     tok = vdjax.load_tokenizer(model)
@@ -125,18 +126,19 @@ def prefill_section(a, params, tok, hf) -> list[str]:
         ids, _ = B.corpus_tokens(tok, n)
         out = {}
         for policy, budget in (("dense", None), ("valuediff", a.budget)):
-            def go(policy=policy, budget=budget):
+            def go(policy=policy, budget=budget, ids=ids):
                 _, logits = vdjax.prefill(params, ids, policy, budget, 128)
                 int(jnp.argmax(logits[0]))
             go()  # compile
             out[policy] = n / _best(go, 2 if n > 4096 else 3)
         hf_s = min(hf.forward_s("sdpa", ids)[0] for _ in range(2 if n > 4096 else 3))
         out["hf"] = n / hf_s
-        print(f"prefill {n}: dense {out['dense']:.0f}, valuediff {out['valuediff']:.0f}, HF {out['hf']:.0f} tok/s",
-              flush=True)
+        print(f"prefill {n}: dense {out['dense']:.0f}, valuediff {out['valuediff']:.0f}, "
+              f"HF {out['hf']:.0f} tok/s", flush=True)
         rows.append([n, f"{out['dense']:.0f}", f"{out['valuediff']:.0f}", f"{out['hf']:.0f}",
                      f"{out['dense'] / out['hf']:.2f}", f"{out['valuediff'] / out['hf']:.2f}"])
-    return ["## 2. Prefill tok/s (warm, best of 2-3): vdjax dense and valuediff N=512 B=128 vs one HF sdpa forward",
+    return ["## 2. Prefill tok/s (warm, best of 2-3): vdjax dense and valuediff N=512 B=128 vs one HF sdpa "
+            "forward",
             "", B.md_table(["T", "vdjax dense", "vdjax valuediff", "HF sdpa", "dense / HF (target >= 1.0)",
                             "valuediff / HF (target >= 0.9 at 1k-2k)"], rows)]
 
@@ -168,7 +170,8 @@ def matvec_floor_s(params, rows: int) -> float:
 
     layers = [[_matrix(w) for w in jax.tree.leaves(lw) if w.ndim >= 2] for lw in params.weights["layers"]]
     head = params.weights.get("lm_head", params.weights["embed"])  # [V, H]
-    rng = np.random.default_rng(0)  # real inputs as arguments: a product with constant ones folds into a reduce
+    # real inputs as arguments: a product with constant ones folds into a reduce
+    rng = np.random.default_rng(0)
     xs = {d: jnp.asarray(rng.standard_normal((rows, d)), head.dtype)
           for d in {m.shape[0] for ms in layers for m in ms} | {head.shape[1]}}
 
@@ -201,16 +204,19 @@ def decode_section(a, params, tok) -> list[str]:
         ceil = batch * bw * 1e9 / (weights + kv)
         floor = batch / matvec_floor_s(params, batch)
         got = batch * best.steps / best.decode_s
-        print(f"decode batch {batch}: {got:.1f} tok/s, ceiling {ceil:.1f}, matvec floor {floor:.1f}", flush=True)
-        rows.append([batch, f"{got:.1f}", f"{ceil:.1f}", f"{got / ceil:.2f}", f"{floor:.1f}", f"{got / floor:.2f}"])
-    return [f"## 3. Decode tok/s, valuediff N={a.budget}, 1k prompt, 63 steps (bandwidth {bw:.1f} GB/s measured, "
-            f"weights {weights / 2**20:.0f} MiB)", "",
+        print(f"decode batch {batch}: {got:.1f} tok/s, ceiling {ceil:.1f}, matvec floor {floor:.1f}",
+              flush=True)
+        rows.append([batch, f"{got:.1f}", f"{ceil:.1f}", f"{got / ceil:.2f}", f"{floor:.1f}",
+                     f"{got / floor:.2f}"])
+    return [f"## 3. Decode tok/s, valuediff N={a.budget}, 1k prompt, 63 steps (bandwidth {bw:.1f} GB/s "
+            f"measured, weights {weights / 2**20:.0f} MiB)", "",
             B.md_table(["batch", "vdjax tok/s", "ceiling tok/s", "/ ceiling (target >= 0.8 at batch 1)",
                         "matvec floor tok/s", "/ matvec floor"], rows)]
 
 
 def scan_section(a, params, tok) -> list[str]:
-    """valuediff with the layers unrolled vs `layer_scan=True`: compile (fresh process), 2k prefill, decode."""
+    """valuediff with the layers unrolled vs `layer_scan=True`: compile (fresh
+    process), 2k prefill, decode."""
     import vdjax
 
     ids, _ = B.corpus_tokens(tok, 2048)
@@ -230,11 +236,11 @@ def scan_section(a, params, tok) -> list[str]:
         vdjax.run(params, one, "valuediff", a.budget, **dkw)  # compile
         dec = max(g.steps / g.decode_s for g in (vdjax.run(params, one, "valuediff", a.budget, **dkw)
                                                   for _ in range(2)))
-        print(f"{'scan' if scan else 'unrolled'}: compile {comp} s, prefill {pre:.0f} tok/s, decode {dec:.1f}",
-              flush=True)
+        print(f"{'scan' if scan else 'unrolled'}: compile {comp} s, prefill {pre:.0f} tok/s, "
+              f"decode {dec:.1f}", flush=True)
         rows.append(["layer scan" if scan else "unrolled", comp, f"{pre:.0f}", f"{dec:.1f}"])
-    return [f"## 4. Layer scan on this backend: valuediff N={a.budget} (compile cold in a fresh process; prefill "
-            "2k warm best of 3; decode batch 1 after 1k, best of 2)", "",
+    return [f"## 4. Layer scan on this backend: valuediff N={a.budget} (compile cold in a fresh process; "
+            "prefill 2k warm best of 3; decode batch 1 after 1k, best of 2)", "",
             B.md_table(["layers", "compile s", "prefill tok/s", "decode tok/s"], rows)]
 
 
@@ -257,7 +263,7 @@ def main() -> int:
         print("RESULT " + json.dumps(compile_worker(a.model, a.policy, 2048, a.budget, a.layer_scan)))
         return 0
     import vdjax
-    from vdjax import registry
+    from vdjax.loading import registry
 
     sections = a.sections.split(",")
     lines = [f"# vdjax speed ({B.git_state()}; {B.cpu_model()}, {B.n_cores()} cores; {a.model} fp32)", ""]

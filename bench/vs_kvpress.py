@@ -10,10 +10,10 @@ time of compressing the prompt to N kept tokens (prefill + compression) and gene
 (warm on both sides), and how far the two libraries agree on which positions layer 0 keeps (per KV head).
 
 kvpress 0.5.5 needs transformers < 5.3, so it runs in its own virtual environment (--kvpress-python, default
-.venv-kvpress/bin/python), as a subprocess worker; the vdjax side runs in a worker of this interpreter. Both use
-fp32 weights of the same HF folder and torch.set_num_threads / XLA:CPU on the same cores.
-Prints a Markdown table and writes it to --out (default results/vs_kvpress.md) plus the raw numbers (.json).
-See bench/README.md ("vs_kvpress.py") for the columns and the differences between the libraries.
+.venv-kvpress/bin/python), as a subprocess worker; the vdjax side runs in a worker of this interpreter. Both
+use fp32 weights of the same HF folder and torch.set_num_threads / XLA:CPU on the same cores. Prints a
+Markdown table and writes it to --out (default results/vs_kvpress.md) plus the raw numbers (.json). See
+bench/README.md ("vs_kvpress.py") for the columns and the differences between the libraries.
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ PAIRS = {
 
 
 def _load_bench():
-    """bench/bench.py as a module (its helpers: OtherLoad, best_of, corpus_tokens, tables). It imports only the
-    standard library and numpy at the top, so the kvpress interpreter can load it too."""
+    """bench/bench.py as a module (its helpers: OtherLoad, best_of, corpus_tokens, tables). It imports only
+    the standard library and numpy at the top, so the kvpress interpreter can load it too."""
     spec = importlib.util.spec_from_file_location("_vdjax_bench", Path(__file__).with_name("bench.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -100,14 +100,15 @@ def vd_label(policy: str, a) -> str:
 NOTES = {
     "keydiff": "BlockPress: blocks simulated over one dense forward (same keys as vdjax only at layer 0)",
     "keynorm": "BlockPress: blocks simulated over one dense forward (same keys as vdjax only at layer 0); a "
-               "repeated token has the same key norm at every position (RoPE rotates): kvpress's top-k breaks such "
-               "ties arbitrarily, vdjax keeps the earlier position",
+               "repeated token has the same key norm at every position (RoPE rotates): kvpress's top-k "
+               "breaks such ties arbitrarily, vdjax keeps the earlier position",
     "streaming": "plain press, which keeps exactly what blocks would (first n_sink + most recent); "
-                 "BlockPress(StreamingLLMPress) scores by index in its top-k-ordered array and loses the sinks",
-    "tova": "plain press: compressed once after the full prefill (vdjax: after every block); kvpress protects the "
-            "last token",
-    "snapkv": "plain press: compressed once after the full prefill (vdjax: after every block); kvpress avg-pools, "
-              "vdjax max-pools",
+                 "BlockPress(StreamingLLMPress) scores by index in its top-k-ordered array and loses the "
+                 "sinks",
+    "tova": "plain press: compressed once after the full prefill (vdjax: after every block); kvpress "
+            "protects the last token",
+    "snapkv": "plain press: compressed once after the full prefill (vdjax: after every block); kvpress "
+              "avg-pools, vdjax max-pools",
 }
 
 
@@ -125,7 +126,8 @@ def match_rows(full: np.ndarray, kept: np.ndarray) -> np.ndarray:
 
 
 def measure(once, a) -> tuple[dict, list[float]]:
-    """The fastest of best_of (retried under load) and a.reps - 1 more runs of `once`, and every run's seconds."""
+    """The fastest of best_of (retried under load) and a.reps - 1 more runs of
+    `once`, and every run's seconds."""
     res = B.best_of(once, lambda r: r["s"], lambda r: r["other_load"], a.retries, a.max_wait, log)
     runs = [res["s"]]
     for _ in range(a.reps - 1):
@@ -165,7 +167,8 @@ def worker_kvpress(a) -> dict:
             self.kept[module.layer_idx] = match_rows(keys[0].float().numpy(), k2[0].float().numpy())
             return k2, v2
 
-    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32, attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32,
+                                                 attn_implementation="sdpa").eval()
     ids = np.load(a.tokens)[: a.T]
     x = torch.as_tensor(ids[None].astype(np.int64))
     ratio = kv_ratio(a.T, a.budget, compute_n_kept)
@@ -193,13 +196,14 @@ def worker_kvpress(a) -> dict:
             t1 = time.perf_counter()
             kept_len = cache.get_seq_length()
             for i in range(a.new - 1):
-                out = model(input_ids=tok[:, None], past_key_values=cache, position_ids=torch.tensor([[t + i]]))
+                out = model(input_ids=tok[:, None], past_key_values=cache,
+                            position_ids=torch.tensor([[t + i]]))
                 tok = out.logits[:, -1].argmax(-1)
                 toks.append(int(tok))
             t2 = time.perf_counter()
         assert kept_len == a.budget, f"kvpress kept {kept_len} tokens, expected {a.budget}"
-        return {"s": t2 - t0, "prefill_s": t1 - t0, "decode_s": t2 - t1, "other_load": ol.cores, "tokens": toks,
-                "cache_after_prefill": kept_len, "cache_at_end": cache.get_seq_length()}
+        return {"s": t2 - t0, "prefill_s": t1 - t0, "decode_s": t2 - t1, "other_load": ol.cores,
+                "tokens": toks, "cache_after_prefill": kept_len, "cache_at_end": cache.get_seq_length()}
 
     out = {"versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                         "kvpress": importlib.metadata.version("kvpress")},
@@ -226,8 +230,9 @@ def worker_kvpress(a) -> dict:
 def worker_vdjax(a) -> dict:
     B._jax_setup()
     import jax
+
     import vdjax
-    from vdjax.compilation import count_compiles
+    from vdjax.engine.timing import count_compiles
 
     params = vdjax.load(a.model)
     ids = np.load(a.tokens)[: a.T]
@@ -255,13 +260,15 @@ def worker_vdjax(a) -> dict:
         out[policy] = res | {"runs_s": runs, "warm_s": warm_s, "tokens_warm": warm.tokens[0].tolist(),
                              "hyper": kw}
         log(f"  vdjax   {policy:9s} T={a.T}: {res['s']:.2f} s (prefill {res['prefill_s']:.2f} + decode "
-            f"{res['decode_s']:.2f}), other load {res['other_load']:.2f}, compiled in timed call {res['compiled']}")
+            f"{res['decode_s']:.2f}), other load {res['other_load']:.2f}, compiled in timed call "
+            f"{res['compiled']}")
     return out
 
 
 # ---- main -----------------------------------------------------------------------------------------------
 def run_worker(python: str, args: list[str], env: dict | None = None) -> dict:
-    """Run this script as a worker under `python`; its stderr is shown as it comes, its last stdout line is JSON."""
+    """Run this script as a worker under `python`; its stderr is shown as it comes,
+    its last stdout line is JSON."""
     proc = subprocess.Popen([python, str(Path(__file__).resolve())] + args, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=os.environ.copy() | (env or {}))
     tail: list[str] = []
@@ -290,7 +297,8 @@ def agreement(kv: np.ndarray, vd: np.ndarray) -> dict:
     jacc = np.zeros(kv.shape[:2])
     for layer in range(kv.shape[0]):
         for h in range(kv.shape[1]):
-            x, y = set(kv[layer, h][kv[layer, h] >= 0].tolist()), set(vd[layer, h][vd[layer, h] >= 0].tolist())
+            x, y = (set(kv[layer, h][kv[layer, h] >= 0].tolist()),
+                    set(vd[layer, h][vd[layer, h] >= 0].tolist()))
             inter = len(x & y)
             overlap[layer, h] = inter / max(1, min(len(x), len(y)))
             jacc[layer, h] = inter / max(1, len(x | y))
@@ -301,7 +309,7 @@ def agreement(kv: np.ndarray, vd: np.ndarray) -> dict:
 
 def common_prefix(x: list, y: list) -> int:
     n = 0
-    for p, q in zip(x, y):
+    for p, q in zip(x, y, strict=False):
         if p != q:
             break
         n += 1
@@ -312,8 +320,9 @@ def check_kvpress_python(path: str) -> str | None:
     """None when `path` is a Python with kvpress importable, else the reason."""
     if not Path(path).exists():
         return f"{path} does not exist"
-    probe = subprocess.run([path, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('kvpress') "
-                                        "is None or importlib.util.find_spec('torch') is None)"],
+    probe = subprocess.run([path, "-c", "import importlib.util, sys; "
+                                        "sys.exit(importlib.util.find_spec('kvpress') is None or "
+                                        "importlib.util.find_spec('torch') is None)"],
                            capture_output=True, text=True)
     return None if probe.returncode == 0 else f"{path} cannot import kvpress and torch"
 
@@ -322,24 +331,28 @@ def parse_args(argv=None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="registered name or HF checkpoint folder")
     ap.add_argument("--kvpress-python", default=str(DEFAULT_KVPRESS_PYTHON),
-                    help="Python of the virtual environment that has kvpress (default .venv-kvpress/bin/python)")
+                    help="Python of the virtual environment that has kvpress (default "
+                         ".venv-kvpress/bin/python)")
     ap.add_argument("--lengths", default="4096,8192", help="comma-separated prompt lengths T")
     ap.add_argument("--budget", type=int, default=512, help="N, tokens kept per KV head")
-    ap.add_argument("--block", type=int, default=128, help="block size (vdjax block_size, kvpress BlockPress)")
+    ap.add_argument("--block", type=int, default=128,
+                    help="block size (vdjax block_size, kvpress BlockPress)")
     ap.add_argument("--new", type=int, default=32, help="greedy tokens generated (EOS disabled)")
-    ap.add_argument("--presses", default=",".join(PAIRS), help=f"vdjax names of the pairs to run ({','.join(PAIRS)})")
+    ap.add_argument("--presses", default=",".join(PAIRS),
+                    help=f"vdjax names of the pairs to run ({','.join(PAIRS)})")
     ap.add_argument("--n-sink", type=int, default=4, help="StreamingLLM sinks (kvpress default 4)")
     ap.add_argument("--snapkv-window", type=int, default=64, help="SnapKV window (kvpress default 64)")
     ap.add_argument("--snapkv-kernel", type=int, default=5, help="SnapKV pooling kernel (kvpress default 5)")
     ap.add_argument("--reps", type=int, default=1, help="timed runs per pair and side (the fastest counts)")
     ap.add_argument("--retries", type=int, default=1,
-                    help=f"re-measure (keeping the fastest) when other processes used > {B.BUSY} cores meanwhile")
+                    help=f"re-measure (keeping the fastest) when other processes used > {B.BUSY} cores "
+                         "meanwhile")
     ap.add_argument("--max-wait", type=float, default=60.0,
                     help="seconds to wait for other processes to go idle before each worker and retry")
     ap.add_argument("--omp-wait-policy", default="PASSIVE",
-                    help="OMP_WAIT_POLICY for the torch worker unless already set in the environment (default "
-                         "PASSIVE: torch's spinning OpenMP threads slow down many-fold when another process holds a "
-                         "core; 'default' leaves the variable unset)")
+                    help="OMP_WAIT_POLICY for the torch worker unless already set in the environment "
+                         "(default PASSIVE: torch's spinning OpenMP threads slow down many-fold when another "
+                         "process holds a core; 'default' leaves the variable unset)")
     ap.add_argument("--out", default=str(ROOT / "results" / "vs_kvpress.md"))
     ap.add_argument("--worker", choices=["vdjax", "kvpress"], help=argparse.SUPPRESS)
     ap.add_argument("--tokens", help=argparse.SUPPRESS)
@@ -371,9 +384,9 @@ def measure_all(a, policies, lengths, folder, tok_file, tmp, cores, kv_env) -> t
     for t in lengths:
         common = ["--model", str(folder), "--tokens", str(tok_file), "--T", str(t), "--budget", str(a.budget),
                   "--block", str(a.block), "--new", str(a.new), "--presses", ",".join(policies), "--n-sink",
-                  str(a.n_sink), "--snapkv-window", str(a.snapkv_window), "--snapkv-kernel", str(a.snapkv_kernel),
-                  "--reps", str(a.reps), "--retries", str(a.retries), "--max-wait", str(a.max_wait), "--threads",
-                  str(cores), "--save", str(tmp)]
+                  str(a.n_sink), "--snapkv-window", str(a.snapkv_window), "--snapkv-kernel",
+                  str(a.snapkv_kernel), "--reps", str(a.reps), "--retries", str(a.retries), "--max-wait",
+                  str(a.max_wait), "--threads", str(cores), "--save", str(tmp)]
         log(f"[T={t}] vdjax worker ...")
         B.wait_idle(a.max_wait, log=log)
         vd = run_worker(sys.executable, ["--worker", "vdjax"] + common)
@@ -430,24 +443,29 @@ def report(a, rows, versions, folder, cores, corpus_n, omp) -> list[str]:
         f"kvpress {kv_v.get('kvpress', '?')} with torch {kv_v.get('torch', '?')}, transformers "
         f"{kv_v.get('transformers', '?')} (`{a.kvpress_python}`), torch.set_num_threads({cores}), sdpa "
         f"attention, OMP_WAIT_POLICY={omp}",
-        f"- model: `{a.model}` → `{folder}`, fp32 on both sides; prompts: CPython pydoc topics text tokenized "
-        f"with the model's tokenizer ({corpus_n} tokens), no chat template, the same ids on both sides",
-        f"- budget N={N} kept tokens per KV head (kvpress compression_ratio = 1 − N/T, checked with kvpress's "
-        f"`compute_n_kept` to keep exactly N), block size {a.block}, {a.new} greedy tokens (EOS disabled)",
-        f"- time = wall of prefill + compression + {a.new} tokens; warm on both sides (one untimed run first; "
-        f"vdjax's timed call compiled nothing unless noted); best of {a.reps} timed run(s), re-measured up to "
-        f"{a.retries} time(s) when other processes kept > {B.BUSY} cores busy; 'other load' = cores other "
-        f"processes kept busy during the kept run (a high value means the number is pessimistic)", ""]
-    head = ["kvpress press", "vdjax policy", "T", "kvpress s (prefill + decode)", "vdjax s (prefill + decode)",
-            "speed-up (kvpress s / vdjax s)", "layer-0 kept agreement: overlap % (Jaccard %)",
-            "all-layer overlap %", f"same greedy tokens (of {a.new})", "other load (kvpress / vdjax)", "notes"]
+        f"- model: `{a.model}` → `{folder}`, fp32 on both sides; prompts: CPython pydoc topics text "
+        f"tokenized with the model's tokenizer ({corpus_n} tokens), no chat template, the same ids on both "
+        f"sides",
+        f"- budget N={N} kept tokens per KV head (kvpress compression_ratio = 1 − N/T, checked with "
+        f"kvpress's `compute_n_kept` to keep exactly N), block size {a.block}, {a.new} greedy tokens (EOS "
+        f"disabled)",
+        f"- time = wall of prefill + compression + {a.new} tokens; warm on both sides (one untimed run "
+        f"first; vdjax's timed call compiled nothing unless noted); best of {a.reps} timed run(s), "
+        f"re-measured up to {a.retries} time(s) when other processes kept > {B.BUSY} cores busy; 'other "
+        f"load' = cores other processes kept busy during the kept run (a high value means the number is "
+        f"pessimistic)", ""]
+    head = ["kvpress press", "vdjax policy", "T", "kvpress s (prefill + decode)",
+            "vdjax s (prefill + decode)", "speed-up (kvpress s / vdjax s)",
+            "layer-0 kept agreement: overlap % (Jaccard %)", "all-layer overlap %",
+            f"same greedy tokens (of {a.new})", "other load (kvpress / vdjax)", "notes"]
     md += [B.md_table(head, [result_cells(a, r) for r in rows]), ""]
-    md.append("Overlap = |kvpress kept ∩ vdjax kept| / N per KV head, averaged over the KV heads; Jaccard = |∩| / "
-              "|∪|. kvpress's kept positions are recovered by matching the compressed cache's key rows to the "
-              "uncompressed ones inside the press (exact equality), vdjax's are `prefill(...)` cache[l].pos. Layer 0 "
-              "sees the same keys on both sides (its input is the embeddings); from layer 1 on vdjax's keys come "
-              "from blocks that attended to the already-pruned cache, kvpress's from one dense forward, so the "
-              "all-layer column mixes scoring differences with that true-vs-simulated block difference.")
+    md.append("Overlap = |kvpress kept ∩ vdjax kept| / N per KV head, averaged over the KV heads; Jaccard = "
+              "|∩| / |∪|. kvpress's kept positions are recovered by matching the compressed cache's key "
+              "rows to the uncompressed ones inside the press (exact equality), vdjax's are `prefill(...)` "
+              "cache[l].pos. Layer 0 sees the same keys on both sides (its input is the embeddings); from "
+              "layer 1 on vdjax's keys come from blocks that attended to the already-pruned cache, "
+              "kvpress's from one dense forward, so the all-layer column mixes scoring differences with "
+              "that true-vs-simulated block difference.")
     return md + [""]
 
 
@@ -459,13 +477,13 @@ def main(argv=None):
     problem = check_kvpress_python(a.kvpress_python)
     if problem:
         print(f"kvpress is not available: {problem}.\n"
-              f"kvpress 0.5.5 needs transformers<5.3, so it lives in its own virtual environment. Create it in the "
-              f"repository root with\n\n    {INSTALL_HINT}\n\n"
+              f"kvpress 0.5.5 needs transformers<5.3, so it lives in its own virtual environment. Create it "
+              f"in the repository root with\n\n    {INSTALL_HINT}\n\n"
               f"(or pass --kvpress-python PATH). Nothing was measured.")
         return
     policies, lengths = check_settings(ap, a)
     t_start = time.perf_counter()
-    from vdjax import registry
+    from vdjax.loading import registry
 
     folder, cores = registry.resolve(a.model), B.n_cores()
     ids_all, corpus_n = B.corpus_tokens(registry.load_tokenizer(a.model), max(lengths))
@@ -474,7 +492,8 @@ def main(argv=None):
     kv_env = {}
     if a.omp_wait_policy != "default" and "OMP_WAIT_POLICY" not in os.environ:
         kv_env["OMP_WAIT_POLICY"] = a.omp_wait_policy
-    omp = os.environ.get("OMP_WAIT_POLICY") or kv_env.get("OMP_WAIT_POLICY") or "unset (libgomp default: spin)"
+    omp = (os.environ.get("OMP_WAIT_POLICY") or kv_env.get("OMP_WAIT_POLICY")
+           or "unset (libgomp default: spin)")
     rows, versions = measure_all(a, policies, lengths, folder, tmp / "tokens.npy", tmp, cores, kv_env)
     md = report(a, rows, versions, folder, cores, corpus_n, omp)
     md.append(f"Total wall time: {(time.perf_counter() - t_start) / 60:.1f} min.")

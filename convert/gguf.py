@@ -2,8 +2,8 @@
 
 transformers dequantizes the GGUF into plain float32 tensors (it needs torch, accelerate and gguf: the
 optional extra `vdjax[gguf]`). The output folder appears atomically (written beside it, then renamed) under a
-file lock, with a marker file naming the source so a finished conversion is recognised and reused.
-"""
+file lock, with a marker file naming the source so a finished
+conversion is recognised and reused. """
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 MARKER = "vdjax_source.json"  # written last: its presence means the folder is complete
 

@@ -19,7 +19,8 @@ def dequantize(blocks: np.ndarray, scales: np.ndarray, dtype=np.float32) -> np.n
     """blocks uint8 [E, R, G, 16] and scales uint8 [E, R, G] -> [E, G * 32, R] in `dtype`."""
     blocks, scales = np.asarray(blocks, np.uint8), np.asarray(scales, np.uint8)
     if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
-        raise ValueError(f"MXFP4 blocks {blocks.shape} and scales {scales.shape} must be [..., G, 16] and [..., G]")
+        raise ValueError(f"MXFP4 blocks {blocks.shape} and scales {scales.shape} must be [..., G, 16] and "
+                         "[..., G]")
     values = np.stack([FP4_VALUES[blocks & 0x0F], FP4_VALUES[blocks >> 4]], axis=-1)  # [E, R, G, 16, 2]
     values = values.reshape(*scales.shape, 32)
     values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)  # [E, R, G, 32]

@@ -1,10 +1,12 @@
 """The paper's Figure 2 for our models: the ValueDiff − KeyDiff retention gap against the KV geometry.
 
     paths = figure2("results/thesis", "results/geometry", "results/thesis/figure2")
-    python -m vdjax.eval.figure2 --results results/thesis --geometry results/geometry --out results/thesis/figure2
+    python -m vdjax.eval.figure2 --results results/thesis --geometry results/geometry \\
+        --out results/thesis/figure2
 
-Joins `vdjax analyze` geometry (GEOMETRY/<model>/geometry.json: σV/σK, BOS key cosine, sink rate) with the eval
-predictions under RESULTS (<benchmark>/<model>/<protocol>/L<length>/predictions.jsonl) and writes, into OUT:
+Joins `vdjax analyze` geometry (GEOMETRY/<model>/geometry.json: σV/σK, BOS key cosine, sink rate) with the
+eval predictions under RESULTS
+(<benchmark>/<model>/<protocol>/L<length>/predictions.jsonl) and writes, into OUT:
 
 - figure2.md: a table (model, source, σV/σK, BOS key cos, sink rate, budget, ValueDiff and KeyDiff retention,
   gap in points, tasks/samples used), our models first, then the paper's; then, where a model mixes attention
@@ -20,8 +22,8 @@ Gap = retention(valuediff) − retention(keydiff) in percentage points, retentio
 valuediff and keydiff all have at that budget (a run in progress has finished different samples per policy).
 
 The paper's points: σV/σK and sink rate from its Table 4, BOS key cosine from its Table 5 (both
-`vdjax.geometry.PAPER`), the KeyDiff/ValueDiff retentions from its Table 1 (RULER), 2 (LongBench) or 3
-(MATH-500): PAPER_RETENTION below.
+`vdjax.analysis.geometry.PAPER`), the KeyDiff/ValueDiff retentions from its Table 1 (RULER), 2 (LongBench)
+or 3 (MATH-500): PAPER_RETENTION below.
 """
 
 from __future__ import annotations
@@ -38,14 +40,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from vdjax.eval import report
 
-from vdjax import geometry as G
+from vdjax.analysis import geometry as G
+from vdjax.eval import report
+from vdjax.eval.summary_rows import _task_mean, retention
 
 VALUE, KEY = "valuediff", "keydiff"
 
 # The paper's KeyDiff and ValueDiff retention (% of dense) per model: ((budget, KeyDiff, ValueDiff), ...).
-# Model names as in vdjax.geometry.PAPER (Tables 4/5). Line numbers: /work/shared/paper/valuediff.txt.
+# Model names as in vdjax.analysis.geometry.PAPER (Tables 4/5).
+# Line numbers: /work/shared/paper/valuediff.txt.
 PAPER_RETENTION: dict[str, dict[str, tuple[tuple[str, float, float], ...]]] = {
     # Table 1 (RULER, ctx 8192, budgets 2048 / 4096), lines 158-183
     "ruler": {
@@ -86,10 +90,10 @@ PAPER_RETENTION: dict[str, dict[str, tuple[tuple[str, float, float], ...]]] = {
 PAPER_SETTING = {"ruler": "Table 1, ctx 8192", "longbench": "Table 2", "math500": "Table 3"}
 PAPER_BUDGET_TEXT = {"2k": "2k (25% of 8k)", "4k": "4k (50% of 8k)"}  # RULER's; others as printed
 
-COLUMNS = ("model", "source", "setting", "ratio", "bos_cos", "sink_rate", "budget", "valuediff", "keydiff", "gap",
-           "tasks", "samples")
-HEADERS = ("model", "source", "setting", "σV/σK", "BOS key cos", "sink rate", "budget", "ValueDiff retention (%)",
-           "KeyDiff retention (%)", "gap (pp)", "tasks / samples used")
+COLUMNS = ("model", "source", "setting", "ratio", "bos_cos", "sink_rate", "budget", "valuediff", "keydiff",
+           "gap", "tasks", "samples")
+HEADERS = ("model", "source", "setting", "σV/σK", "BOS key cos", "sink rate", "budget",
+           "ValueDiff retention (%)", "KeyDiff retention (%)", "gap (pp)", "tasks / samples used")
 GROUP_COLUMNS = ("model", "group", "layers", "sigma_k", "sigma_v", "ratio", "bos_cos", "sink_rate")
 MEAN = "mean"
 
@@ -133,11 +137,12 @@ class Gap:
 
 # ---- the gap from predictions -----------------------------------------------------------------------------
 def _slug(model: str) -> str:
-    """A model's folder name (as `vdjax.analyze.slug`: a registered name, or the last part of a path)."""
+    """A model's folder name (as `vdjax.app.analyze.slug`: a registered name, or the last part of a path)."""
     return Path(str(model).rstrip("/")).name or "model"
 
 
-def sample_scores(records: Iterable[dict], benchmark: str) -> dict[tuple, dict[tuple, dict[str, dict[str, float]]]]:
+def sample_scores(records: Iterable[dict],
+                  benchmark: str) -> dict[tuple, dict[tuple, dict[str, dict[str, float]]]]:
     """(model, protocol, length) -> (policy, budget) -> task -> sample_id -> score (mean over draws), for the
     records of `benchmark`; dense's budget is None."""
     draws: dict[tuple, dict[tuple, dict[str, dict[str, list[float]]]]] = {}
@@ -152,9 +157,10 @@ def sample_scores(records: Iterable[dict], benchmark: str) -> dict[tuple, dict[t
 
 
 def paired_gap(by_cfg: dict[tuple, dict[str, dict[str, float]]], budget: int) -> Gap:
-    """retention(valuediff) − retention(keydiff) at `budget` over the samples all three of dense, valuediff and
-    keydiff have (`report`'s retention: the mean over tasks of per-task means, in % of dense's)."""
-    dense, vd, kd = by_cfg.get(("dense", None), {}), by_cfg.get((VALUE, budget), {}), by_cfg.get((KEY, budget), {})
+    """retention(valuediff) − retention(keydiff) at `budget` over the samples all three of dense, valuediff
+    and keydiff have (`report`'s retention: the mean over tasks of per-task means, in % of dense's)."""
+    dense, vd, kd = (by_cfg.get(("dense", None), {}), by_cfg.get((VALUE, budget), {}),
+                     by_cfg.get((KEY, budget), {}))
     keep = {(t, s) for t, by_id in dense.items() for s in by_id if s in vd.get(t, {}) and s in kd.get(t, {})}
     if not keep:
         return Gap(None, None, None, (), 0)
@@ -162,8 +168,8 @@ def paired_gap(by_cfg: dict[tuple, dict[str, dict[str, float]]], budget: int) ->
     def kept(t, s):
         return (t, s) in keep
 
-    d = report._task_mean(dense, kept)
-    rv, rk = report.retention(report._task_mean(vd, kept), d), report.retention(report._task_mean(kd, kept), d)
+    d = _task_mean(dense, kept)
+    rv, rk = retention(_task_mean(vd, kept), d), retention(_task_mean(kd, kept), d)
     gap = None if rv is None or rk is None else rv - rk
     return Gap(rv, rk, gap, tuple(sorted({t for t, _ in keep})), len(keep), d)
 
@@ -221,7 +227,7 @@ def _finite(x) -> float | None:
 # ---- the points -------------------------------------------------------------------------------------------
 def our_points(records: list[dict], geometry_dir: str | Path, *, benchmark: str = "ruler",
                budgets: Sequence[int] | None = None) -> tuple[list[Point], dict[str, G.Geometry]]:
-    """Per (model, protocol, length) of `benchmark`: a row per budget and a mean row; and each model's geometry."""
+    """Per (model, protocol, length) of `benchmark`: rows per budget and a mean row; each model's geometry."""
     scores = sample_scores(records, benchmark)
     fractions: dict[tuple, set] = {}
     for r in records:
@@ -244,18 +250,20 @@ def our_points(records: list[dict], geometry_dir: str | Path, *, benchmark: str 
             fr = fractions.get((model, b), set())
             text = (f"{100 * next(iter(fr)):g}% (N={b})" if len(fr) == 1 else
                     f"{b} ({100 * b / length:g}% of {length})" if length else str(b))
-            rows.append(Point(model, "ours", setting, **geo, budget=b, budget_text=text, valuediff=g.valuediff,
-                              keydiff=g.keydiff, gap=g.gap, tasks=len(g.tasks), samples=g.samples,
-                              task_names=g.tasks, used=f"{len(g.tasks)} / {g.samples}" if g.samples else ""))
+            rows.append(Point(model, "ours", setting, **geo, budget=b, budget_text=text,
+                              valuediff=g.valuediff, keydiff=g.keydiff, gap=g.gap, tasks=len(g.tasks),
+                              samples=g.samples, task_names=g.tasks,
+                              used=f"{len(g.tasks)} / {g.samples}" if g.samples else ""))
         done = [p for p in rows if p.gap is not None]
         points += rows
-        points.append(Point(model, "ours", setting, **geo, budget=None,
-                            budget_text=f"{MEAN} ({', '.join(str(p.budget) for p in done) or 'no budget yet'})",
-                            valuediff=_mean([p.valuediff for p in done]), keydiff=_mean([p.keydiff for p in done]),
-                            gap=_mean([p.gap for p in done]), tasks=max((p.tasks for p in done), default=0),
-                            samples=sum(p.samples for p in done),
-                            task_names=tuple(sorted({t for p in done for t in p.task_names})),
-                            used=" + ".join(p.used for p in done)))
+        points.append(Point(
+            model, "ours", setting, **geo, budget=None,
+            budget_text=f"{MEAN} ({', '.join(str(p.budget) for p in done) or 'no budget yet'})",
+            valuediff=_mean([p.valuediff for p in done]), keydiff=_mean([p.keydiff for p in done]),
+            gap=_mean([p.gap for p in done]), tasks=max((p.tasks for p in done), default=0),
+            samples=sum(p.samples for p in done),
+            task_names=tuple(sorted({t for p in done for t in p.task_names})),
+            used=" + ".join(p.used for p in done)))
     return points, geos
 
 
@@ -263,7 +271,7 @@ def paper_points(benchmark: str = "ruler") -> list[Point]:
     """The paper's rows for `benchmark` (per budget, then the mean), geometry from its Tables 4 and 5."""
     points = []
     for model, cells in PAPER_RETENTION.get(benchmark, {}).items():
-        ref = dict(zip(G.PAPER_COLUMNS, G.PAPER[model])) if model in G.PAPER else {}
+        ref = dict(zip(G.PAPER_COLUMNS, G.PAPER[model], strict=False)) if model in G.PAPER else {}
         geo = {"ratio": ref.get("ratio"), "bos_cos": ref.get("bos_cos"), "sink_rate": ref.get("sink_rate")}
         setting = PAPER_SETTING[benchmark]
         rows = [Point(model, "paper", setting, **geo, budget=b, budget_text=PAPER_BUDGET_TEXT.get(b, b)
@@ -272,8 +280,8 @@ def paper_points(benchmark: str = "ruler") -> list[Point]:
         points += rows
         points.append(Point(model, "paper", setting, **geo, budget=None,
                             budget_text=f"{MEAN} ({', '.join(str(p.budget) for p in rows)})",
-                            valuediff=_mean([p.valuediff for p in rows]), keydiff=_mean([p.keydiff for p in rows]),
-                            gap=_mean([p.gap for p in rows])))
+                            valuediff=_mean([p.valuediff for p in rows]),
+                            keydiff=_mean([p.keydiff for p in rows]), gap=_mean([p.gap for p in rows])))
     return points
 
 
@@ -302,27 +310,28 @@ def _markdown(points: list[Point], groups: list[dict], benchmark: str, notes: li
         out.append("")
     source = PAPER_SETTING.get(benchmark, "tables (none for this benchmark)")
     intro = (f"Ours: predictions under `{results_dir}`, geometry from `{geometry_dir}/<model>/geometry.json` "
-             "(`vdjax analyze`). Paper: σV/σK and sink rate from its Table 4, BOS key cosine from its Table 5, "
-             f"retention from its {source}.")
+             "(`vdjax analyze`). Paper: σV/σK and sink rate from its Table 4, BOS key cosine from its "
+             f"Table 5, retention from its {source}.")
     method = ("Gap = ValueDiff retention − KeyDiff retention (percentage points); retention = score / dense "
-              "score (mean over tasks of per-task means). Each budget row of ours uses only the samples dense, "
-              "valuediff and keydiff all have at that budget (`tasks / samples used`). A `mean` row averages "
-              "the budget rows (the paper's Figure 2 colours by this mean: Gemma2-9B's +0.6 pt in §4.4 is the "
-              "mean of its Table 1 gaps +0.4 and +0.7); figure2.png plots the mean rows. Our budgets are given "
-              "as a fraction of our context length"
+              "score (mean over tasks of per-task means). Each budget row of ours uses only the samples "
+              "dense, valuediff and keydiff all have at that budget (`tasks / samples used`). A `mean` row "
+              "averages the budget rows (the paper's Figure 2 colours by this mean: Gemma2-9B's +0.6 pt in "
+              "§4.4 is the mean of its Table 1 gaps +0.4 and +0.7); figure2.png plots the mean rows. Our "
+              "budgets are given as a fraction of our context length"
               + ("; the paper's RULER budgets are 25 % and 50 % of 8192." if benchmark == "ruler" else "."))
     out += [intro, "", method, "", "| " + " | ".join(HEADERS) + " |", "|---|---|---|" + "---:|" * 7 + "---|"]
     out += ["| " + " | ".join(_cells(p)) + " |" for p in points]
     if groups:
         text = ("σV/σK (ratio of the group's mean σV and σK over its layers and heads), BOS key cos and sink "
                 "rate per attention kind, for models that mix kinds. The retention gap is only measured per "
-                "model (eviction runs in every layer at once); the figure draws each group at its model's mean "
-                "gap.")
+                "model (eviction runs in every layer at once); the figure draws each group at its model's "
+                "mean gap.")
         out += ["", "## Per layer group", "", text, "",
                 "| model | group | layers | σK | σV | σV/σK | BOS key cos | sink rate |",
                 "|---|---|---|---:|---:|---:|---:|---:|"]
         out += [f"| {g['model']} | {g['group']} | {_layers_text(g['layers'])} | {_f(g['sigma_k'])} | "
-                f"{_f(g['sigma_v'])} | {_f(g['ratio'])} | {_f(g['bos_cos'])} | {_f(g['sink_rate'])} |" for g in groups]
+                f"{_f(g['sigma_v'])} | {_f(g['ratio'])} | {_f(g['bos_cos'])} | {_f(g['sink_rate'])} |"
+                for g in groups]
     return "\n".join(out) + "\n"
 
 
@@ -404,8 +413,8 @@ def _plot(path: Path, points: list[Point], groups: list[dict], benchmark: str) -
 
 
 # ---- the report -------------------------------------------------------------------------------------------
-def figure2(results_dir: str | Path, geometry_dir: str | Path, out_dir: str | Path, *, benchmark: str = "ruler",
-            budgets: Sequence[int] | None = None, layer_groups_table: bool = True,
+def figure2(results_dir: str | Path, geometry_dir: str | Path, out_dir: str | Path, *,
+            benchmark: str = "ruler", budgets: Sequence[int] | None = None, layer_groups_table: bool = True,
             paper: bool = True) -> dict[str, Path]:
     """Write OUT/figure2.md, figure2.csv, figure2.png (and figure2_groups.csv with layer groups); return the
     paths {"md", "csv", "png"[, "groups_csv"]}. `budgets`: only these of ours (default: every budget run)."""
@@ -413,8 +422,8 @@ def figure2(results_dir: str | Path, geometry_dir: str | Path, out_dir: str | Pa
     if not results_dir.is_dir():
         raise FileNotFoundError(f"results folder {results_dir} does not exist")
     if not geometry_dir.is_dir():
-        raise FileNotFoundError(f"geometry folder {geometry_dir} does not exist (write it with `vdjax analyze "
-                                f"--model <model> --out {geometry_dir}`)")
+        raise FileNotFoundError(f"geometry folder {geometry_dir} does not exist (write it with "
+                                f"`vdjax analyze --model <model> --out {geometry_dir}`)")
     if not any(results_dir.rglob("predictions.jsonl")):
         raise FileNotFoundError(f"{results_dir} holds no predictions.jsonl (expected "
                                 f"{results_dir}/<benchmark>/<model>/<protocol>/L<length>/predictions.jsonl)")
@@ -423,7 +432,8 @@ def figure2(results_dir: str | Path, geometry_dir: str | Path, out_dir: str | Pa
     mine = [r for r in records if r.get("benchmark") == benchmark]
     if not mine:
         found = sorted({str(r.get("benchmark")) for r in records})
-        raise ValueError(f"{results_dir} holds no {benchmark} predictions (benchmarks there: {', '.join(found)})")
+        raise ValueError(f"{results_dir} holds no {benchmark} predictions "
+                         f"(benchmarks there: {', '.join(found)})")
     points, geos = our_points(mine, geometry_dir, benchmark=benchmark, budgets=budgets)
     for p in points:
         if p.is_mean and p.gap is None:
@@ -459,13 +469,15 @@ def _budgets(text: str) -> list[int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m vdjax.eval.figure2 --results R --geometry G --out O [--benchmark ruler] [--budgets 512,1024]`."""
+    """`python -m vdjax.eval.figure2 --results R --geometry G --out O [--benchmark B] [--budgets N,...]`."""
     ap = argparse.ArgumentParser(prog="python -m vdjax.eval.figure2", description=__doc__.split("\n")[0])
     ap.add_argument("--results", required=True, help="folder of predictions (e.g. results/thesis)")
     ap.add_argument("--geometry", default="results/geometry", help="`vdjax analyze` output folder")
     ap.add_argument("--out", required=True, help="output folder for figure2.md/.csv/.png")
-    ap.add_argument("--benchmark", default="ruler", help="ruler (paper Table 1), longbench (2) or math500 (3)")
-    ap.add_argument("--budgets", type=_budgets, help="comma-separated budgets of ours (default: every budget run)")
+    ap.add_argument("--benchmark", default="ruler",
+                    help="ruler (paper Table 1), longbench (2) or math500 (3)")
+    ap.add_argument("--budgets", type=_budgets,
+                    help="comma-separated budgets of ours (default: every budget run)")
     ap.add_argument("--no-layer-groups", action="store_true", help="leave out the per-layer-group table")
     ap.add_argument("--no-paper", action="store_true", help="leave out the paper's points")
     args = ap.parse_args(argv)

@@ -3,8 +3,8 @@
 Data: the official jsonl files, one JSON object per line with `input`, `context`, `answers`, `length`,
 `dataset`, `language`, `all_classes` and `_id`. Get them from the THUDM/LongBench dataset on the Hugging Face
 hub (https://huggingface.co/datasets/THUDM/LongBench/resolve/main/data.zip) and unzip so that
-`{data_dir}/{task}.jsonl` exists (the archive unpacks into a `data/` folder: pass that folder). Nothing is
-downloaded here.
+`{data_dir}/{task}.jsonl` exists (the archive unpacks into a `data/` folder: pass that
+folder). Nothing is downloaded here.
 
 Official protocol kept: the per-task prompt templates (`DATASET2PROMPT`, typos included), generation lengths
 (`DATASET2MAXLEN`), metrics (`vdjax.eval.metrics.DATASET2METRIC`), the tasks that skip the chat template
@@ -302,7 +302,8 @@ def _read_rows(path: Path, limit: int | None) -> list[dict]:
     rows = read_jsonl(path, limit, REQUIRED_KEYS, "a LongBench (official layout)")
     for lineno, row in rows:
         if isinstance(row["answers"], str) or not isinstance(row["answers"], list):
-            raise ValueError(f"{path}:{lineno}: 'answers' must be a list of strings, got {row['answers']!r:.80}")
+            raise ValueError(f"{path}:{lineno}: 'answers' must be a list of strings, "
+                             f"got {row['answers']!r:.80}")
     return [row for _, row in rows]
 
 

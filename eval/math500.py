@@ -28,8 +28,8 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 from vdjax.checks import check_int
 from vdjax.eval.sample import Sample, read_jsonl
@@ -112,8 +112,8 @@ def fraction_budgets(
     included; with k samples per problem pass all of them): the paper sets budgets from the *average*
     dense generation length per model. `rounding`: "pow2" (default) rounds to the nearest power of two (ties
     up), which reproduces every budget of Appendix F / Table 3 (e.g. 1124 tokens -> 256 / 512, 1947 -> 512 /
-    1024, 3708 -> 1024 / 2048); "none" rounds to the nearest integer; an int rounds to the nearest multiple.
-    """
+    1024, 3708 -> 1024 / 2048); "none" rounds to the nearest integer; an int
+    rounds to the nearest multiple. """
     if isinstance(dense_lengths, (str, bytes)) or not isinstance(dense_lengths, Iterable):
         raise TypeError(f"dense_lengths must be a sequence of token counts, got {dense_lengths!r:.80}")
     lengths = list(dense_lengths)
@@ -165,7 +165,8 @@ def data_path(data_dir) -> Path:
 
 def _read_rows(path: Path, limit: int | None) -> list[dict]:
     """The first `limit` (all when None) MATH-500 rows of a jsonl file, keys checked."""
-    return [row for _, row in read_jsonl(path, limit, REQUIRED_KEYS, "a MATH-500 (HuggingFaceH4/MATH-500 layout)")]
+    return [row for _, row in read_jsonl(path, limit, REQUIRED_KEYS,
+                                         "a MATH-500 (HuggingFaceH4/MATH-500 layout)")]
 
 
 def build(task: str, tokenizer=None, *, length: int, num_samples: int | None, seed: int = 0,

@@ -19,8 +19,8 @@ Fidelity to the official scorers:
 - MATH-500: the last `\\boxed{...}` (or `\\fbox{...}`, `\\boxed 5`) of the prediction against each reference,
   1.0 when any matches, 0.0 otherwise or when there is no box. `grade_answer` (the paper's scorer, Appendix
   F) is openai/prm800k's `grade_answer` (`vdjax.eval.grader`); `math_equiv` is `math_verify`'s equivalence,
-  kept as a second opinion. Over the k draws of a problem, `math_at_k` gives the paper's flex@k, exact@k
-  and pass@k.
+  kept as a second opinion. Over the k draws of a problem, `math_at_k` gives the
+  paper's flex@k, exact@k and pass@k.
 
 Differences from the official code are only in error handling: where the official would crash with an
 IndexError/TypeError (a retrieval answer without a paragraph number, a classification sample without
@@ -37,7 +37,7 @@ import string
 import threading
 import warnings
 from collections import Counter
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from vdjax.eval import grader
 from vdjax.eval.math500 import extract_boxed
@@ -279,7 +279,7 @@ def first_line(prediction: str) -> str:
     return prediction.lstrip("\n").split("\n")[0]
 
 
-def _longbench(per_reference: Callable[[str, str, "Sample | None"], float], name: str) -> Metric:
+def _longbench(per_reference: Callable[[str, str, Sample | None], float], name: str) -> Metric:
     """A per-reference LongBench metric as eval.py's scorer applies it: first-line cut, max over answers."""
 
     def metric(prediction: str, answers: Sequence[str], sample: Sample | None = None) -> float:
@@ -323,7 +323,7 @@ def math_equiv(prediction: str, answers: Sequence[str], sample: Sample | None = 
 
 
 def grade_answer(prediction: str, answers: Sequence[str], sample: Sample | None = None) -> float:
-    """1.0 when prm800k's `grade_answer` accepts the prediction's last \\boxed{...} for any reference, else 0.0."""
+    """1.0 if prm800k's `grade_answer` accepts the prediction's last \\boxed{} for any reference, else 0.0."""
     prediction, answers = _check(prediction, answers)
     boxed = extract_boxed(prediction)
     return float(boxed is not None and any(grader.grade_answer(boxed, ref) for ref in answers))
@@ -348,7 +348,8 @@ def _math_draw(boxed: str | None, answers: tuple[str, ...]) -> tuple[float, floa
     if boxed is None:
         return 0.0, 0.0, 0.0
     prediction = "\\boxed{" + boxed + "}"
-    return grade_answer(prediction, answers), exact_match(prediction, answers), math_equiv(prediction, answers)
+    return (grade_answer(prediction, answers), exact_match(prediction, answers),
+            math_equiv(prediction, answers))
 
 
 def math_draw(prediction: str, answers: Sequence[str]) -> dict[str, float]:

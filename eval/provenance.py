@@ -12,8 +12,9 @@ import hashlib
 import json
 import platform
 import subprocess
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -73,8 +74,8 @@ def _config_bytes(path: Path) -> bytes:
 
 @functools.lru_cache(maxsize=16)
 def _files_digest(folder: str, stamp: tuple) -> str:
-    """sha256 over the checkpoint's config files (less `_WRITER_KEYS`) and safetensors, in name order (`stamp`:
-    sizes and mtimes, so an unchanged folder is hashed once per process)."""
+    """sha256 over the checkpoint's config files (less `_WRITER_KEYS`) and safetensors, in name order
+    (`stamp`: sizes and mtimes, so an unchanged folder is hashed once per process)."""
     h = hashlib.sha256()
     for name, _, _ in stamp:
         h.update(name.encode() + b"\0")
@@ -106,7 +107,7 @@ def checkpoint_digest(params) -> str:
 
 
 def tokenizer_digest(tokenizer) -> str:
-    """sha256 of the tokenizer's vocabulary and rules (the fast tokenizer's JSON; else its class and vocab)."""
+    """sha256 of the tokenizer's vocabulary and rules (a fast tokenizer's JSON; else its class and vocab)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
         return _sha256(backend.to_str().encode())

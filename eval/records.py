@@ -11,8 +11,9 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 KEY_FIELDS = ("task", "sample_id", "policy", "budget", "protocol", "draw")
 # what a metric may read of a sample besides its answers, stored with each line so `rescore` can call it
@@ -47,8 +48,8 @@ def read_predictions(path: str | os.PathLike, *, repair: bool = False) -> list[d
     """Every record of a predictions.jsonl (a torn last line, from a crash mid-write, is skipped).
 
     With `repair=True` the file itself is fixed: a torn last line is cut off, a complete last line missing
-    its newline gets one. A bad line anywhere else is corruption: ValueError naming the file and line.
-    """
+    its newline gets one. A bad line anywhere else is corruption:
+    ValueError naming the file and line. """
     path = Path(path)
     if not path.exists():
         return []
@@ -93,7 +94,7 @@ class PredictionsFile:
         self.lock_path = self.path.with_name(self.path.name + ".lock")
         self._lock = self._file = None
 
-    def __enter__(self) -> "PredictionsFile":
+    def __enter__(self) -> PredictionsFile:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         lock = open(self.lock_path, "a+")
         try:
@@ -103,7 +104,8 @@ class PredictionsFile:
             holder = lock.read().strip() or "unknown"
             lock.close()
             raise RuntimeError(f"{self.path} is being written by another process (pid {holder}, lock "
-                               f"{self.lock_path}); wait for it to finish or stop it: one writer per file") from None
+                               f"{self.lock_path}); wait for it to finish or stop it: "
+                               "one writer per file") from None
         lock.seek(0)
         lock.truncate()
         lock.write(str(os.getpid()))
@@ -150,7 +152,8 @@ def rescore(path: str | os.PathLike, metrics: Mapping[str, Callable] | None = No
                             extra=dict(r.get("metric_extra") or {}))
             score = float(metrics[name](r["prediction"], sample.answers, sample))
             if not 0.0 <= score <= 1.0:
-                raise ValueError(f"metric {name!r} gave score {score} for line {number}; scores lie in [0, 1]")
+                raise ValueError(f"metric {name!r} gave score {score} for line {number}; "
+                                 "scores lie in [0, 1]")
             changed += score != r["score"]
             r["score"], r["metric"] = score, name
         tmp = path.with_name(path.name + ".rescore")

@@ -39,17 +39,15 @@ Deviations from the official scripts (each also noted where it happens):
 
 from __future__ import annotations
 
-import bisect
-import functools
 import math
 import random
-import re
 import string
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
+from vdjax.analysis import data
 from vdjax.checks import check_int
-from vdjax import data
+from vdjax.eval.ruler_sources import _cwe_words, _essay_sentence_ends, _essay_text, _key_words, _qa
 from vdjax.eval.sample import Sample, token_counter
 
 TASKS = (
@@ -129,101 +127,6 @@ def _fill(family: str, template: str, context: str, **fields) -> tuple[str, str,
     return head.format(**fields) + context, rest[:cut], rest[cut:]
 
 
-# ---------------------------------------------------------------------------------------------- sources
-
-
-@functools.lru_cache(maxsize=None)
-def _key_words() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(sorted unique adjectives, sorted unique nouns): niah's word keys are `f"{adj}-{noun}"`."""
-    adjectives, nouns = data.words("adjectivelist.txt"), data.words("nounlist.txt")
-    return tuple(sorted(set(adjectives))), tuple(sorted(set(nouns)))
-
-
-@functools.lru_cache(maxsize=None)
-def _cwe_words() -> tuple[str, ...]:
-    """cwe's vocabulary: sorted(set(nouns + adjectives + verbs)) (shuffled per build seed, as RULER does)."""
-    return tuple(sorted(set(data.words("nounlist.txt") + data.words("adjectivelist.txt")
-                            + data.words("verblist.txt"))))
-
-
-# A sentence ends after a word ending in . ! or ? (optionally followed by closing quotes/brackets) unless the
-# word is a common abbreviation or an initial. This regex stands in for nltk's punkt `sent_tokenize`
-# (whose model is a separate download): like punkt, it never splits inside a word ("mistakes.If").
-_SENTENCE_END = re.compile(r"[.!?][\"'\u201d\u2019)\]]*$")
-_ABBREVIATION = re.compile(
-    r"^[(\"'\u201c\u2018]*(?:[A-Za-z]|mr|mrs|ms|dr|prof|sr|jr|st|vs|etc|e\.g|i\.e|inc|ltd|co|corp|u\.s|"
-    r"u\.k|no|fig|al|cf|approx|dept|gen|gov|lt|mt|rev|sen|sgt|capt|col|jan|feb|mar|apr|aug|sep|sept|oct|nov|"
-    r"dec|ph\.d|b\.a|m\.a|a\.m|p\.m)\.$", re.IGNORECASE)
-
-
-@functools.lru_cache(maxsize=None)
-def _essay() -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """(RULER's essay words, exclusive word index where each sentence ends), read and split once."""
-    text = data.essays()
-    words = tuple(re.sub(r"\s+", " ", text).split(" "))
-    ends = []
-    for i, word in enumerate(words):
-        if word and _SENTENCE_END.search(word) and not _ABBREVIATION.match(word):
-            end = i + 1
-            while end < len(words) and not words[end]:  # the trailing '' of the split sticks to the sentence
-                end += 1
-            ends.append(end)
-    if not ends or ends[-1] != len(words):
-        ends.append(len(words))
-    return words, tuple(ends)
-
-
-def _essay_sentence_ends(n: int) -> list[int]:
-    """Sentence ends (exclusive word indices) in the first `n` essay words (repeated past the essay's end)."""
-    words, ends = _essay()
-    if n <= len(words):
-        return list(ends[:bisect.bisect_left(ends, n)]) + [n]
-    out = []
-    for r in range(-(-n // len(words))):
-        out.extend(e + r * len(words) for e in ends if e + r * len(words) < n)
-    return out + [n]
-
-
-def _essay_text(a: int, b: int) -> str:
-    """Essay words [a, b) joined by single spaces (indices past the end wrap around, as RULER repeats it)."""
-    words, _ = _essay()
-    size, parts = len(words), []
-    while a < b:
-        r, start = divmod(a, size)
-        stop = min(b, (r + 1) * size)
-        parts.extend(words[start:stop - r * size])
-        a = stop
-    return " ".join(filter(None, parts))
-
-
-@functools.lru_cache(maxsize=None)
-def _qa(dataset: str) -> tuple[tuple[dict, ...], tuple[str, ...]]:
-    """(questions, documents) of RULER's qa.py for 'squad' or 'hotpotqa', read once."""
-    if dataset == "squad":
-        squad = data.json_file("squad.json")
-        docs = sorted({p["context"] for d in squad["data"] for p in d["paragraphs"]})
-        index = {c: i for i, c in enumerate(docs)}
-        qas = []
-        for d in squad["data"]:
-            more = [index[p["context"]] for p in d["paragraphs"]]
-            for p in d["paragraphs"]:
-                for qa in p["qas"]:
-                    if not qa["is_impossible"]:
-                        qas.append(dict(query=qa["question"], outputs=tuple(a["text"] for a in qa["answers"]),
-                                        context=(index[p["context"]],), support=(index[p["context"]],),
-                                        more=tuple(i for i in more if i != index[p["context"]])))
-        return tuple(qas), tuple(docs)
-    hotpot = data.json_file("hotpotqa.json")
-    docs = sorted({f"{t}\n{''.join(p)}" for d in hotpot for t, p in d["context"]})
-    index = {c: i for i, c in enumerate(docs)}
-    qas = tuple(dict(query=d["question"], outputs=(d["answer"],), more=(),
-                     context=tuple(index[f"{t}\n{''.join(p)}"] for t, p in d["context"]),
-                     support=tuple(index[f"{t}\n{''.join(p)}"] for t, p in d["context"]
-                                   if t in {title for title, _ in d["supporting_facts"]}))
-                for d in hotpot)
-    return qas, tuple(docs)
-
-
 # ---------------------------------------------------------------------------------------------- draws
 
 
@@ -297,7 +200,8 @@ def _niah(task: str, seed: int, length: int, rng: random.Random):
                     value = _random_value(cfg["v"], r)
                     if key not in keys:
                         sentences.append(data.NEEDLE.format(type_needle_v=cfg["v"], key=key, value=value))
-            for index, needle in zip(sorted(r.sample(range(n), len(needles)), reverse=True), needles):
+            for index, needle in zip(sorted(r.sample(range(n), len(needles)), reverse=True), needles,
+                                     strict=False):
                 sentences.insert(index, needle)
             context = "\n".join(sentences)
             ids = {id(x) for x in needles}
@@ -436,7 +340,7 @@ def _fwe(task: str, seed: int, length: int, rng: random.Random):
         lo += 1
 
     def make(n: int):
-        sampled = [w for w, c in zip(vocab, _fwe_counts(n, len(vocab))) for _ in range(c)]
+        sampled = [w for w, c in zip(vocab, _fwe_counts(n, len(vocab)), strict=False) for _ in range(c)]
         random.Random(seed).shuffle(sampled)
         ctx, question, prefix = _fill("fwe", _TEMPLATE["fwe"] + _PREFIX["fwe"], " ".join(sampled), query="")
         return ctx, question, prefix, tuple(vocab[1:4]), dict(vocab_size=vocab_size)
@@ -497,8 +401,8 @@ def _fit_haystack(make: Callable[[int], Sample], count: Callable[[Sample], int],
 
     Gallops from `guess` (a neighbouring sample's size; without one, secant steps from two small probes),
     then bisects. Returns n == hi (and None) when hi itself fits; raises ValueError when `lo` does not fit,
-    or when no hi is given and even 16 units per token of `length` still fit (a count that does not grow).
-    """
+    or when no hi is given and even 16 units per token of `length` still fit (a
+    count that does not grow). """
     seen: dict[int, tuple[Sample, int]] = {}
     cap = hi if hi is not None else lo + 16 * length
 
@@ -574,8 +478,8 @@ def build(task: str, tokenizer, *, length: int, num_samples: int, seed: int = SE
     `count` defaults to `token_counter(tokenizer)`; sample i is the same whatever `num_samples` (its draws
     come from (task, seed, i)). `seed` defaults to RULER's 42 (it fixes qa's document order, see the module
     docstring). `extra` holds length, haystack (size) and haystack_unit, input_tokens, tokens_with_one_more,
-    needle/gold depths in percent, and per-task facts (queried keys, qa question index and documents).
-    """
+    needle/gold depths in percent, and per-task facts (queried keys, qa
+    question index and documents). """
     if task not in TASKS:
         raise ValueError(f"task must be one of {', '.join(TASKS)}; got {task!r}")
     check_int("length", length)

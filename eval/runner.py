@@ -8,8 +8,8 @@ Each line is one (sample, policy, budget, draw): written, flushed and fsynced as
 file's only writer (`records.PredictionsFile` holds a lock), so a crash loses at most the result being
 written. A rerun into the same folder drops a torn last line and skips every line it already holds; lines
 made with another checkpoint, tokenizer or chat template (their `fingerprint`), seed, block size, sampling
-or policy hyper-parameters are refused (`allow_mixed=True` accepts other fingerprints). Dense runs once per
-sample with `budget` null.
+or policy hyper-parameters are refused (`allow_mixed=True` accepts other fingerprints). Dense runs once
+per sample with `budget` null.
 
 The runner knows no benchmark by name. A benchmark module defines `TASKS` and
 `build(task, tokenizer, *, length, num_samples, seed[, data_dir]) -> [Sample]`, optionally `SEED` (its
@@ -26,8 +26,8 @@ k lines per (sample, config), `draw` 0..k-1, each from its own key (seed, sample
 not depend on what shares its batch, so a resumed run redraws exactly what was missing.
 
 Protocols (see `vdjax.eval.sample`): `paper` block-prefills context + question; `question_agnostic`
-block-prefills the context only and appends the question afterwards (`vdjax.run(..., question=...)`).
-"""
+block-prefills the context only and appends the question afterwards
+(`vdjax.run(..., question=...)`). """
 
 from __future__ import annotations
 
@@ -39,9 +39,10 @@ import json
 import os
 import warnings
 import zlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 from vdjax.checks import check_int, check_name, unique_list
 from vdjax.eval.provenance import environment, fingerprint, git_commit, model_summary
@@ -111,7 +112,8 @@ class Spec:
     block_size: int
     batch_size: int
     tasks: list[str]
-    policies: list[tuple[Any, tuple]]  # (Policy, hyper) as asked; `hyper_at` binds them to the model and budget
+    # (Policy, hyper) as asked; `hyper_at` binds them to the model and budget
+    policies: list[tuple[Any, tuple]]
     budgets: list  # ints (cache slots) or fractions
     data_dir: Path | None
     metrics: Mapping[str, Callable]
@@ -145,9 +147,10 @@ class Spec:
                 for b, f in budgets.items()]
 
 
-def _check_policies(policies: Any, budgets: Any, policy_kwargs: Mapping | None, module: ModuleType, name: str):
+def _check_policies(policies: Any, budgets: Any, policy_kwargs: Mapping | None, module: ModuleType,
+                    name: str):
     """[(Policy, hyper)] and the sorted budgets; ValueError/TypeError naming the bad argument."""
-    from vdjax.policies import get_policy
+    from vdjax.engine.policies import get_policy
 
     policy_kwargs = dict(policy_kwargs or {})
     pols = []
@@ -194,7 +197,7 @@ def _check_policies(policies: Any, budgets: Any, policy_kwargs: Mapping | None, 
 
 def _check_sampling(sampling: Mapping | None, draws: Any) -> tuple[dict | None, int]:
     """(sampling settings with every key, None for greedy; draws), checked."""
-    from vdjax.sampling import check_sampling
+    from vdjax.engine.sampling import check_sampling
 
     draws = check_int("draws", draws)
     if sampling is not None:
@@ -215,7 +218,7 @@ def _check_sampling(sampling: Mapping | None, draws: Any) -> tuple[dict | None, 
 def check_run(params, benchmark, *, model_name, policies, budgets, length, num_samples, tasks=None, seed=None,
               protocol="paper", block_size=128, batch_size=1, data_dir=None, policy_kwargs=None, metrics=None,
               template_kwargs=None, sampling=None, draws=1, mesh=None) -> Spec:
-    """Validate every argument of `evaluate` (each error names the argument) and bind policies to the model."""
+    """Validate each argument of `evaluate` (each error names the argument) and bind policies to the model."""
     name, module = load_benchmark(benchmark)
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol={protocol!r} is unknown; allowed: {list(PROTOCOLS)}")
@@ -247,7 +250,8 @@ def check_run(params, benchmark, *, model_name, policies, budgets, length, num_s
     if num_samples is None:  # the benchmark's own default (MATH-500: the paper's first 100 problems)
         num_samples = getattr(module, "DEFAULT_SAMPLES", None)
         if num_samples is None:
-            raise ValueError(f"num_samples=None: benchmark {name!r} declares no DEFAULT_SAMPLES; give a number")
+            raise ValueError(f"num_samples=None: benchmark {name!r} declares no DEFAULT_SAMPLES; "
+                             "give a number")
     return Spec(name, module, check_name("model_name", model_name), check_int("length", length),
                 check_int("num_samples", num_samples), seed, protocol, check_int("block_size", block_size),
                 check_int("batch_size", batch_size), tasks, pols, budgets,
@@ -267,8 +271,9 @@ def check_resume(spec: Spec, path: Path, records: list[dict], print_id: str, all
                     f"{field}={identity[field]!r}: use another out_dir (or the same {field})")
         if record.get("fingerprint") != print_id and not allow_mixed:
             raise ValueError(
-                f"{path} holds results of fingerprint {record.get('fingerprint')!r} (checkpoint, dtype, tokenizer "
-                f"and chat template); this run's is {print_id!r}: use another out_dir, or allow_mixed=True "
+                f"{path} holds results of fingerprint {record.get('fingerprint')!r} (checkpoint, dtype, "
+                f"tokenizer and chat template); this run's is {print_id!r}: use another out_dir, or "
+                "allow_mixed=True "
                 "(CLI --allow-mixed) to add to it anyway")
     for pol, hyper in spec.policies:
         for record in records:
@@ -277,8 +282,8 @@ def check_resume(spec: Spec, path: Path, records: list[dict], print_id: str, all
             want = json.loads(json.dumps(dict(spec.hyper_at(pol, hyper, record.get("budget")))))
             if record.get("hyper") != want:
                 raise ValueError(
-                    f"{path} holds {pol.name!r} results with hyper-parameters {record.get('hyper')} at budget "
-                    f"{record.get('budget')}; this run asks for {want}: use another out_dir")
+                    f"{path} holds {pol.name!r} results with hyper-parameters {record.get('hyper')} at "
+                    f"budget {record.get('budget')}; this run asks for {want}: use another out_dir")
     return {record_key(r) for r in records}
 
 
@@ -290,7 +295,8 @@ def build_samples(spec: Spec, tokenizer) -> dict[str, list[Sample]]:
     if spec.data_dir is not None and not takes_data_dir:
         raise ValueError(f"data_dir={str(spec.data_dir)!r} given, but benchmark {spec.name!r} reads no data "
                          "folder")
-    if spec.data_dir is None and "data_dir" in params and params["data_dir"].default is inspect.Parameter.empty:
+    if (spec.data_dir is None and "data_dir" in params
+            and params["data_dir"].default is inspect.Parameter.empty):
         raise ValueError(f"data_dir=None, but benchmark {spec.name!r} needs its data folder (data_dir=...)")
     extra = {"data_dir": spec.data_dir} if spec.data_dir is not None else {}
     if "template_kwargs" in params:
@@ -318,13 +324,13 @@ def stop_ids(tokenizer, text: str) -> tuple[int, ...]:
 
     LongBench's pred.py stops samsum at `tokenizer.encode("\\n", add_special_tokens=False)[-1]`; keeping only
     the ids that decode to "\\n" gives that same id while dropping a SentencePiece word-start piece ("▁")
-    that some tokenizers put before it. Tokens that merely contain it ("\\n\\n", ".\\n") do not stop.
-    """
+    that some tokenizers put before it. Tokens that merely contain it
+    ("\\n\\n", ".\\n") do not stop. """
     ids = [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
     found = tuple(dict.fromkeys(i for i in ids if tokenizer.decode([i]) == text))
     if not found:
-        raise ValueError(f"tokenizer {type(tokenizer).__name__} encodes the stop string {text!r} as {ids}, none "
-                         "of which decodes to it alone: it cannot stop generation")
+        raise ValueError(f"tokenizer {type(tokenizer).__name__} encodes the stop string {text!r} as {ids}, "
+                         "none of which decodes to it alone: it cannot stop generation")
     return found
 
 
@@ -353,7 +359,8 @@ def render_samples(spec: Spec, tokenizer, built: dict[str, list[Sample]], model_
     return out
 
 
-def batches(spec: Spec, samples: list[Sample], rendered: dict[tuple, Rendered]) -> list[list[tuple[Sample, int]]]:
+def batches(spec: Spec, samples: list[Sample],
+            rendered: dict[tuple, Rendered]) -> list[list[tuple[Sample, int]]]:
     """(sample, draw) rows in calls of at most batch_size that stop alike and, under question_agnostic, have
     one question length; order kept within each kind."""
     kinds: dict[tuple, list[tuple[Sample, int]]] = {}
@@ -368,7 +375,7 @@ def batches(spec: Spec, samples: list[Sample], rendered: dict[tuple, Rendered]) 
 
 # ---- one call ---------------------------------------------------------------------------------------------
 def _truncate_new(tokens, limit: int, eos: set[int]) -> tuple[list[int], bool]:
-    """(a row's new tokens, at most `limit`, ending at and including the first EOS; whether it hit `limit`)."""
+    """(a row's new tokens, at most `limit`, ending at and with the first EOS; whether it hit `limit`)."""
     row = [int(t) for t in tokens[:limit]]
     for i, t in enumerate(row):
         if t in eos:
@@ -389,7 +396,7 @@ def row_keys(seed: int, rows: list[tuple[Sample, int]]):
 def run_call(params, spec: Spec, cfg: Config, rows: list[tuple[Sample, int]], rendered, tokenizer,
              stamp: dict) -> Iterator[dict]:
     """Generate `rows` under one config in one `vdjax.run` call; yield each row's record as it is scored."""
-    from vdjax.compilation import timed_run
+    from vdjax.engine.timing import timed_run
 
     rs = [rendered[s.task, s.id] for s, _ in rows]
     max_new = max(s.max_new_tokens for s, _ in rows)
@@ -402,16 +409,17 @@ def run_call(params, spec: Spec, cfg: Config, rows: list[tuple[Sample, int]], re
         kw["min_new_tokens"] = rows[0][0].min_new_tokens
     if spec.sampling is not None:
         kw.update(spec.sampling, key=row_keys(spec.seed, rows))
-    gen, prefill_s, decode_s, compile_s = timed_run(params, ids, cfg.policy, cfg.budget, block_size=spec.block_size,
-                                                    max_new_tokens=max_new, question=question, mesh=spec.mesh,
-                                                    **kw, **dict(cfg.hyper))
-    for i, ((s, draw), r) in enumerate(zip(rows, rs)):
+    gen, prefill_s, decode_s, compile_s = timed_run(params, ids, cfg.policy, cfg.budget,
+                                                    block_size=spec.block_size, max_new_tokens=max_new,
+                                                    question=question, mesh=spec.mesh, **kw,
+                                                    **dict(cfg.hyper))
+    for i, ((s, draw), r) in enumerate(zip(rows, rs, strict=False)):
         new, truncated = _truncate_new(gen.tokens[i], s.max_new_tokens, set(r.eos))
         prediction = tokenizer.decode(new, skip_special_tokens=True)
         score = float(spec.metrics[s.metric](prediction, s.answers, s))
         if not 0.0 <= score <= 1.0:
-            raise ValueError(f"metric {s.metric!r} gave score {score} for sample {s.id!r}; scores must lie in "
-                             "[0, 1]")
+            raise ValueError(f"metric {s.metric!r} gave score {score} for sample {s.id!r}; scores must lie "
+                             "in [0, 1]")
         yield {
             **spec.identity, "task": s.task, "sample_id": s.id, "draw": draw, "policy": cfg.policy.name,
             "budget": cfg.budget, "budget_fraction": cfg.fraction, "hyper": dict(gen.hyper),
@@ -473,11 +481,13 @@ def start_invocation(spec: Spec, meta_path: Path, built, params, prints: dict) -
     meta.update(spec.identity)
     meta["invocations"] = meta.get("invocations", []) + [{
         "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "tasks": spec.tasks, "num_samples": spec.num_samples, "samples": {t: len(s) for t, s in built.items()},
+        "tasks": spec.tasks, "num_samples": spec.num_samples,
+        "samples": {t: len(s) for t, s in built.items()},
         "policies": [pol.name for pol, _ in spec.policies], "budgets": spec.budgets,
         "hyper": _hyper_summary(spec), "batch_size": spec.batch_size,
         "draws": spec.draws, "template_kwargs": spec.template_kwargs,
-        "data_dir": None if spec.data_dir is None else str(spec.data_dir), "model_config": model_summary(params),
+        "data_dir": None if spec.data_dir is None else str(spec.data_dir),
+        "model_config": model_summary(params),
         "fingerprint": prints, "mesh": None if spec.mesh is None else dict(spec.mesh.shape), **environment(),
     }]
     _write_json(meta_path, meta)
@@ -489,28 +499,31 @@ def evaluate(params, tokenizer, benchmark: str | ModuleType, *, model_name: str,
              budgets: Sequence[int] | Sequence[float] | None, length: int, num_samples: int,
              out_dir: str | os.PathLike, tasks: Sequence[str] | None = None, seed: int | None = None,
              protocol: str = "paper", block_size: int = 128, batch_size: int = 1,
-             data_dir: str | os.PathLike | None = None, policy_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
+             data_dir: str | os.PathLike | None = None,
+             policy_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
              metrics: Mapping[str, Callable] | None = None, template_kwargs: Mapping[str, Any] | None = None,
              sampling: Mapping[str, float] | None = None, draws: int = 1, allow_mixed: bool = False,
              progress: bool = True, mesh=None) -> Path:
-    """Run every (sample, policy, budget, draw) not yet in the run's predictions.jsonl; return that file's path.
+    """Run every (sample, policy, budget, draw) not yet in the run's predictions.jsonl; return its path.
 
     `benchmark`: a name of BENCHMARKS or a module (see the module docstring). `policies`: names (dense runs
     once per sample, budget null); `budgets`: cache slots per KV head for the evicting ones (ints >= 1), or
     fractions in (0, 1) of the average dense generation length (dense must be among `policies`; the
     benchmark's budget_rule applies). `seed`: None takes the benchmark's `SEED` (RULER 42), else 0.
-    `policy_kwargs`: {policy name: {keyword: value}}. `batch_size` > 1 runs up to that many rows of one task in
-    one ragged `vdjax.run` call. `metrics` overrides `vdjax.eval.metrics.METRICS`. `template_kwargs` reach the
-    chat template (`enable_thinking`, `reasoning_effort`). `sampling` / `draws`: see the module docstring.
-    `allow_mixed` resumes onto lines of another fingerprint. `mesh` (a jax Mesh, `vdjax.sharding.make_mesh`):
-    params are sharded on it once and each call's rows are split over "data".
+    `policy_kwargs`: {policy name: {keyword: value}}. `batch_size` > 1 runs up to that many rows of one task
+    in one ragged `vdjax.run` call. `metrics` overrides `vdjax.eval.metrics.METRICS`. `template_kwargs` reach
+    the chat template (`enable_thinking`, `reasoning_effort`). `sampling` / `draws`: see the module docstring.
+    `allow_mixed` resumes onto lines of another fingerprint. `mesh` (a jax Mesh,
+    `vdjax.engine.sharding.make_mesh`): params are sharded on it once and each
+    call's rows are split over "data".
     """
-    spec = check_run(params, benchmark, model_name=model_name, policies=policies, budgets=budgets, length=length,
-                     num_samples=num_samples, tasks=tasks, seed=seed, protocol=protocol, block_size=block_size,
-                     batch_size=batch_size, data_dir=data_dir, policy_kwargs=policy_kwargs, metrics=metrics,
-                     template_kwargs=template_kwargs, sampling=sampling, draws=draws, mesh=mesh)
+    spec = check_run(params, benchmark, model_name=model_name, policies=policies, budgets=budgets,
+                     length=length, num_samples=num_samples, tasks=tasks, seed=seed, protocol=protocol,
+                     block_size=block_size, batch_size=batch_size, data_dir=data_dir,
+                     policy_kwargs=policy_kwargs, metrics=metrics, template_kwargs=template_kwargs,
+                     sampling=sampling, draws=draws, mesh=mesh)
     if mesh is not None:
-        from vdjax.sharding import shard_params
+        from vdjax.engine.sharding import shard_params
 
         params = shard_params(params, mesh)  # once: every call then finds its weights in place
     folder = run_dir(out_dir, spec.name, spec.model_name, spec.protocol, spec.length)
@@ -530,7 +543,8 @@ def evaluate(params, tokenizer, benchmark: str | ModuleType, *, model_name: str,
                      spec.dense_configs() + spec.evicting_configs({b: None for b in spec.budgets}))
             if spec.fractional:  # every dense run is done: budgets from the dense generation lengths
                 dense = {(r["task"], r["sample_id"], r.get("draw", 0)): r["new_tokens"]
-                         for r in existing + loop.written if r["policy"] == spec.dense_configs()[0].policy.name}
+                         for r in existing + loop.written
+                         if r["policy"] == spec.dense_configs()[0].policy.name}
                 by_budget = frozen_budgets(spec, meta, [dense[s.task, s.id, d] for ss in built.values()
                                                         for s in ss for d in range(spec.draws)])
                 meta["invocations"][-1]["fraction_budgets"] = {str(f): b for b, f in by_budget.items()}
@@ -544,12 +558,13 @@ def evaluate(params, tokenizer, benchmark: str | ModuleType, *, model_name: str,
 
 
 class _Loop:
-    """The generation loop of one `evaluate` call: calls grouped by task and batch, lines written as they come."""
+    """The generation loop of `evaluate`: calls grouped by task and batch, lines written as they come."""
 
     def __init__(self, spec, params, tokenizer, built, rendered, stamp, out, done, progress):
         from tqdm.auto import tqdm
 
-        self.spec, self.params, self.tokenizer, self.built, self.rendered = spec, params, tokenizer, built, rendered
+        (self.spec, self.params, self.tokenizer, self.built,
+         self.rendered) = spec, params, tokenizer, built, rendered
         self.stamp, self.out, self.done, self.written = stamp, out, done, []
         self.rows = [(s, d) for ss in built.values() for s in ss for d in range(spec.draws)]
         self.bar = tqdm(total=0, desc=f"{spec.name} {spec.model_name} L{spec.length}", unit="gen",
@@ -568,7 +583,8 @@ class _Loop:
                     todo = [(s, d) for s, d in rows if self._key(s, d, cfg) not in self.done]
                     if not todo:
                         continue
-                    self.bar.set_postfix_str(f"{task} {cfg.policy.name} {cfg.budget or ''}".rstrip(), refresh=False)
+                    self.bar.set_postfix_str(f"{task} {cfg.policy.name} {cfg.budget or ''}".rstrip(),
+                                             refresh=False)
                     for record in run_call(self.params, self.spec, cfg, todo, self.rendered, self.tokenizer,
                                            self.stamp):
                         self.out.append(record)

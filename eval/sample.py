@@ -5,17 +5,17 @@ A benchmark module (`ruler`, `longbench`, `math500`) exposes `TASKS` and
 `render_ids` under either protocol:
 
 - paper (default): the whole prompt (context + question + answer prefix) goes through block prefill;
-- question-agnostic: only `context` is compressed; the question (and answer prefix) is appended afterwards.
-"""
+- question-agnostic: only `context` is compressed; the question (and answer
+prefix) is appended afterwards. """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
+from typing import Any
 
-from vdjax.prompt import render_chat, render_split
+from vdjax.checks import read_jsonl  # noqa: F401  (part of this module's interface)
+from vdjax.text.prompt import render_chat, render_split
 
 PROTOCOLS = ("paper", "question_agnostic")
 
@@ -33,7 +33,7 @@ class Sample:
     metric: str                  # name in vdjax.eval.metrics.METRICS
     answer_prefix: str = ""      # put after the templated prompt (RULER); the model continues it
     chat_template: bool = True   # False: plain text even when the tokenizer has a chat template (LongBench)
-    stop: tuple[str, ...] = ()   # generation also stops at a token decoding to one of these (LongBench samsum)
+    stop: tuple[str, ...] = ()   # generation also stops at a token decoding to one of them (LongBench samsum)
     min_new_tokens: int = 0      # EOS and `stop` tokens are masked before this many new tokens
     extra: dict[str, Any] = dataclasses.field(default_factory=dict, hash=False, compare=False)
 
@@ -42,12 +42,13 @@ class Sample:
         return dataclasses.asdict(self) | {"answers": list(self.answers), "stop": list(self.stop)}
 
 
-def render_text(tokenizer, sample: Sample, template_kwargs: Mapping[str, Any] | None = None) -> tuple[str, int]:
+def render_text(tokenizer, sample: Sample,
+                template_kwargs: Mapping[str, Any] | None = None) -> tuple[str, int]:
     """(full input text, character offset where the context ends) for `sample` with this tokenizer.
 
     With a chat template (and `sample.chat_template`), the user message is `context + question` and the
     answer prefix follows the generation prompt; otherwise the text is `context + question + answer_prefix`
-    (`vdjax.prompt.render_chat`, robust to templates that trim the message). `template_kwargs` go to the
+    (`vdjax.text.prompt.render_chat`, robust to templates that trim the message). `template_kwargs` go to the
     chat template (`enable_thinking`, `reasoning_effort`).
     """
     return render_chat(tokenizer, sample.context, sample.question, answer_prefix=sample.answer_prefix,
@@ -56,8 +57,8 @@ def render_text(tokenizer, sample: Sample, template_kwargs: Mapping[str, Any] | 
 
 def render_ids(tokenizer, sample: Sample,
                template_kwargs: Mapping[str, Any] | None = None) -> tuple[list[int], list[int]]:
-    """(context ids, question ids) of `sample`: `vdjax.prompt.render_split` of its texts (tokenised once, split
-    at the end of the context)."""
+    """(context ids, question ids) of `sample`: `vdjax.text.prompt.render_split` of its texts (tokenised once,
+    split at the end of the context)."""
     return render_split(tokenizer, sample.context, sample.question, answer_prefix=sample.answer_prefix,
                         chat=sample.chat_template, template_kwargs=template_kwargs)
 
@@ -72,25 +73,3 @@ def token_counter(tokenizer, template_kwargs: Mapping[str, Any] | None = None) -
     return count
 
 
-def read_jsonl(path: Path, limit: int | None, required: Sequence[str], layout: str) -> list[tuple[int, dict]]:
-    """(line number, object) of the first `limit` (all when None) JSON objects of a jsonl file, blank lines
-    skipped; a line that is not a JSON object holding every `required` key is a ValueError naming `layout`."""
-    rows: list[tuple[int, dict]] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if limit is not None and len(rows) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from e
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-            missing = [k for k in required if k not in row]
-            if missing:
-                raise ValueError(f"{path}:{lineno}: missing key(s) {missing}; {layout} row needs "
-                                 f"{list(required)}")
-            rows.append((lineno, row))
-    return rows

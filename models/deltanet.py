@@ -37,7 +37,7 @@ class LinearState:
     rec: jax.Array
 
     @classmethod
-    def empty(cls, cfg, batch: int, dtype) -> "LinearState":
+    def empty(cls, cfg, batch: int, dtype) -> LinearState:
         """Zero state (no token seen)."""
         return cls(conv=jnp.zeros((batch, cfg.linear_conv_kernel - 1, conv_channels(cfg)), dtype),
                    rec=jnp.zeros((batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
@@ -46,10 +46,12 @@ class LinearState:
 
 def conv_channels(cfg) -> int:
     """C: the [q | k | v] projection width that the conv runs over."""
-    return 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    return (2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
+            + cfg.linear_num_value_heads * cfg.linear_value_head_dim)
 
 
-def causal_conv(x: jax.Array, conv: jax.Array, w: jax.Array, n_valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+def causal_conv(x: jax.Array, conv: jax.Array, w: jax.Array,
+                n_valid: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Depthwise causal conv of x [B, S, C] after the previous inputs conv [B, K-1, C]; w [K, C] (tap K-1 is
     the current token). Returns (y [B, S, C] before the activation, the new conv state: the last K - 1 inputs
     up to each row's last real token, n_valid [B] of the S)."""
@@ -93,8 +95,8 @@ def project(lw: dict, h: jax.Array, q_pos: jax.Array, state: LinearState, cfg):
 
 
 def recurrent_step(q, k, v, g, beta, rec):
-    """One token per row: q, k [B, Hv, dk], v [B, Hv, dv], g, beta [B, Hv], rec [B, Hv, dk, dv] ->
-    (o [B, Hv, dv], new rec)."""
+    """One token per row: q, k [B, Hv, dk], v [B, Hv, dv], g, beta [B, Hv], rec [B, Hv, dk, dv]
+    -> (o [B, Hv, dv], new rec)."""
     rec = rec * jnp.exp(g)[..., None, None]
     pred = jnp.einsum("bnk,bnkv->bnv", k, rec)
     rec = rec + jnp.einsum("bnk,bnv->bnkv", k, (v - pred) * beta[..., None])
@@ -123,7 +125,8 @@ def chunked(q, k, v, g, beta, rec, chunk: int = CHUNK):
     kb = k * beta[..., None]
     a = jnp.where(lower & ~jnp.eye(c, dtype=bool), jnp.einsum("...ik,...jk->...ij", kb, k) * decay, 0.0)
     eye = jnp.eye(c, dtype=RULE)
-    rhs = jnp.concatenate([v * beta[..., None], kb * jnp.exp(cum)[..., None]], axis=-1)  # [N, B, Hv, c, dv+dk]
+    rhs = jnp.concatenate([v * beta[..., None], kb * jnp.exp(cum)[..., None]],
+                          axis=-1)  # [N, B, Hv, c, dv+dk]
     uw = jax.scipy.linalg.solve_triangular(eye + a, rhs, lower=True, unit_diagonal=True)
     u, w = uw[..., :dv], uw[..., dv:]  # the chunk's corrections: u_t = U_t - W_t S0
     intra = jnp.einsum("...ik,...jk->...ij", q, k) * decay
@@ -143,7 +146,8 @@ def chunked(q, k, v, g, beta, rec, chunk: int = CHUNK):
 
 
 def gated_norm(o: jax.Array, z: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm over dv with a plain weight w [dv], then times SiLU(z): o (fp32), z [B, S, Hv, dv] -> z's dtype.
+    """RMSNorm over dv with a plain weight w [dv], then times SiLU(z): o (fp32),
+    z [B, S, Hv, dv] -> z's dtype.
 
     As HF: the rule's output comes back in the model dtype, the norm is computed in fp32."""
     o = o.astype(z.dtype).astype(RULE)
@@ -152,7 +156,8 @@ def gated_norm(o: jax.Array, z: jax.Array, w: jax.Array, eps: float) -> jax.Arra
     return o.astype(z.dtype)
 
 
-def deltanet(lw: dict, h: jax.Array, q_pos: jax.Array, state: LinearState, cfg) -> tuple[jax.Array, LinearState]:
+def deltanet(lw: dict, h: jax.Array, q_pos: jax.Array, state: LinearState,
+             cfg) -> tuple[jax.Array, LinearState]:
     """A DeltaNet layer's mixer on normed hidden states h [B, S, H] at positions q_pos [B, S] (-1 padding),
     continuing from `state`. Returns (out [B, S, H], new state)."""
     q, k, v, g, beta, z, conv = project(lw, h, q_pos, state, cfg)

@@ -1,4 +1,5 @@
-"""Every model family, declared once: its HF architectures, config switches and weights (see `models/spec.py`).
+"""Every model family, declared once: its HF architectures, config switches and weights (see
+`models/spec.py`).
 
 Adding a family: a `Family` (switches + weights) and its `Arch` entries here, the math its switches turn on in
 `models/transformer.py`, and tests (parity with HF on a tiny random model).
@@ -6,10 +7,20 @@ Adding a family: a `Family` (switches + weights) and its `Arch` entries here, th
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
-from vdjax.models.spec import (Arch, Family, Layout, Weight, heads_bias, heads_in, heads_out, keep, q_heads_in,
-                               transpose)
+from vdjax.models.spec import (
+    Arch,
+    Family,
+    Layout,
+    Weight,
+    heads_bias,
+    heads_in,
+    heads_out,
+    keep,
+    q_heads_in,
+    transpose,
+)
 
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
 
@@ -85,7 +96,8 @@ def _conv_taps(w, cfg):
 
 DELTANET = (
     Weight("w_qkv", ("hidden", "lin_qkv"), "linear_attn.in_proj_qkv.weight", transpose, when=_linear),
-    Weight("w_z", ("hidden", "lin_v_heads", "lin_dv"), "linear_attn.in_proj_z.weight", _lin_heads_in, when=_linear),
+    Weight("w_z", ("hidden", "lin_v_heads", "lin_dv"), "linear_attn.in_proj_z.weight", _lin_heads_in,
+           when=_linear),
     Weight("w_b", ("hidden", "lin_v_heads"), "linear_attn.in_proj_b.weight", transpose, when=_linear),
     Weight("w_a", ("hidden", "lin_v_heads"), "linear_attn.in_proj_a.weight", transpose, when=_linear),
     Weight("conv_w", ("conv_kernel", "lin_qkv"), "linear_attn.conv1d.weight", _conv_taps, when=_linear),
@@ -107,7 +119,8 @@ SINKS = (Weight("sinks", ("q_heads",), "self_attn.sinks", keep),)
 MOE = (
     Weight("router_w", ("hidden", "routes"), "mlp.router.weight", transpose),  # replicated: every row routes
     Weight("router_b", ("routes",), "mlp.router.bias", keep),
-    Weight("moe_gate_up", ("experts", "hidden", "gate_up"), "mlp.experts.gate_up_proj", _gate_up),  # [in, out]
+    Weight("moe_gate_up", ("experts", "hidden", "gate_up"), "mlp.experts.gate_up_proj",
+           _gate_up),  # [in, out]
     Weight("moe_gate_up_b", ("experts", "gate_up"), "mlp.experts.gate_up_proj_bias", _gate_up),
     Weight("moe_down", ("experts", "mlp", "hidden"), "mlp.experts.down_proj", keep),
     Weight("moe_down_b", ("experts", "hidden"), "mlp.experts.down_proj_bias", keep),
@@ -130,8 +143,10 @@ def _qwen3_switches(hf: Mapping) -> dict:
 
 def _gemma_switches(hf: Mapping) -> dict:
     return dict(mlp_act="gelu_tanh", norm_offset=1.0, embed_scale=True, post_norms=True,
-                attn_softcap=float(hf["attn_logit_softcapping"]) if hf.get("attn_logit_softcapping") else None,
-                final_softcap=float(hf["final_logit_softcapping"]) if hf.get("final_logit_softcapping") else None,
+                attn_softcap=float(hf["attn_logit_softcapping"]) if hf.get("attn_logit_softcapping")
+                else None,
+                final_softcap=float(hf["final_logit_softcapping"]) if hf.get("final_logit_softcapping")
+                else None,
                 query_pre_attn_scalar=float(hf["query_pre_attn_scalar"]) if hf.get("query_pre_attn_scalar")
                 else None)
 
@@ -157,19 +172,21 @@ def _gpt_oss_switches(hf: Mapping) -> dict:
     return dict(qkv_bias=bias, o_bias=bias, sinks=True,
                 num_experts=int(hf.get("num_local_experts", hf.get("num_experts", 128))),
                 experts_per_token=int(hf.get("num_experts_per_tok", hf.get("experts_per_token", 4))),
-                swiglu_limit=float(hf.get("swiglu_limit", 7.0)), swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)))
+                swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+                swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)))
 
 
 def _gpt_oss_problems(hf: Mapping) -> list[str]:
     out = []
-    if hf.get("attn_logit_softcapping") or hf.get("final_logit_softcapping") or hf.get("query_pre_attn_scalar"):
+    if (hf.get("attn_logit_softcapping") or hf.get("final_logit_softcapping")
+            or hf.get("query_pre_attn_scalar")):
         out.append("logit softcapping / query_pre_attn_scalar for GPT-OSS (only Gemma's is handled)")
     return out
 
 
 def _qwen3_5_layers(hf: Mapping, n: int) -> tuple[str, ...]:
-    """`layer_types`, else every `full_attention_interval`-th layer (default 4) attends, the others are
-    Gated DeltaNet layers."""
+    """`layer_types`, else every `full_attention_interval`-th layer (default 4) attends, the
+    others are Gated DeltaNet layers."""
     every = int(hf.get("full_attention_interval", 4))
     return tuple(hf.get("layer_types") or ("linear_attention" if (i + 1) % every else "full_attention"
                                           for i in range(n)))
@@ -242,8 +259,8 @@ QWEN2 = Family("qwen2", LLAMA.weights, _qwen2_switches, _QWEN_READS, _qwen_layer
 QWEN3 = Family("qwen3", LLAMA.weights, _qwen3_switches, _QWEN_READS, _qwen_layers,
                _silu_only("Qwen3ForCausalLM"))
 _GEMMA_DEFAULTS = {"rms_norm_eps": 1e-6, "tie_word_embeddings": True}
-GEMMA2 = Family("gemma2", MODEL + GEMMA_NORMS + ATTENTION + MLP, _gemma_switches, _GEMMA_READS, _gemma2_layers,
-                _gemma_problems, defaults=_GEMMA_DEFAULTS)
+GEMMA2 = Family("gemma2", MODEL + GEMMA_NORMS + ATTENTION + MLP, _gemma_switches, _GEMMA_READS,
+                _gemma2_layers, _gemma_problems, defaults=_GEMMA_DEFAULTS)
 GEMMA3 = Family("gemma3", GEMMA2.weights, _gemma3_switches, _GEMMA_READS, _gemma3_layers, _gemma_problems,
                 defaults=_GEMMA_DEFAULTS | {"rope_theta": 1_000_000.0}, local_rope=True)
 
@@ -282,8 +299,8 @@ _GEMMA3_MM = (
     Layout("model.language_model.", "", ("model.vision_tower.{*}", "model.multi_modal_projector.{*}")),
     Layout("language_model.model.", "language_model.", ("vision_tower.{*}", "multi_modal_projector.{*}")),
 )
-_MM_KEYS = frozenset({"text_config", "vision_config", "mm_tokens_per_image", "boi_token_index", "eoi_token_index",
-                      "image_token_index", "image_token_id", "initializer_range"})
+_MM_KEYS = frozenset({"text_config", "vision_config", "mm_tokens_per_image", "boi_token_index",
+                      "eoi_token_index", "image_token_index", "image_token_id", "initializer_range"})
 
 # Qwen3.5 checkpoints: the released (multimodal) layout keeps the text model under model.language_model.*
 # beside model.visual.* and mtp.*, lm_head at the top; Qwen3_5ForCausalLM.save_pretrained writes model.*.

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 
 
 def route(lw: dict, x: jax.Array, cfg) -> tuple[jax.Array, jax.Array]:
-    """Router of tokens x [N, H] -> (expert ids [N, k] int32, weights [N, k]: softmax over the top-k logits)."""
+    """Router of tokens x [N, H] -> (expert ids [N, k] int32, weights [N, k]:
+    softmax over the top-k logits)."""
     logits = jnp.einsum("nh,he->ne", x, lw["router_w"], preferred_element_type=jnp.float32) + lw["router_b"]
     top, idx = jax.lax.top_k(logits, cfg.experts_per_token)
     return idx.astype(jnp.int32), jax.nn.softmax(top, axis=-1).astype(x.dtype)
@@ -47,7 +48,8 @@ def _loop_experts(xs, counts, starts, lw, cfg):
     out = jnp.zeros_like(xs)
 
     def expert(e, out):
-        w_gu, b_gu, w_d, b_d = lw["moe_gate_up"][e], lw["moe_gate_up_b"][e], lw["moe_down"][e], lw["moe_down_b"][e]
+        w_gu, b_gu, w_d, b_d = (lw["moe_gate_up"][e], lw["moe_gate_up_b"][e], lw["moe_down"][e],
+                                lw["moe_down_b"][e])
 
         def tile(j, out):
             r0 = starts[e] + j * t
@@ -96,7 +98,8 @@ def dense_moe(lw: dict, x: jax.Array, idx: jax.Array, weights: jax.Array, cfg) -
     the reference of `grouped`. x [N, H] -> [N, H]."""
     h = jnp.einsum("nh,ehf->enf", x, lw["moe_gate_up"]) + lw["moe_gate_up_b"][:, None]  # [E, N, 2F]
     y = jnp.einsum("enf,efh->enh", swiglu(h, cfg), lw["moe_down"]) + lw["moe_down_b"][:, None]  # [E, N, H]
-    full = jnp.zeros((x.shape[0], cfg.num_experts), x.dtype).at[jnp.arange(x.shape[0])[:, None], idx].set(weights)
+    full = (jnp.zeros((x.shape[0], cfg.num_experts), x.dtype)
+            .at[jnp.arange(x.shape[0])[:, None], idx].set(weights))
     return jnp.einsum("enh,ne->nh", y, full)
 
 

@@ -1,4 +1,5 @@
-"""One decoder-only transformer as pure functions over a params pytree; family differences are config switches.
+"""One decoder-only transformer as pure functions over a params pytree; family
+differences are config switches.
 
 Layers attend (full or sliding window; optionally gated, with partial RoPE) or, where `layer_types` says
 "linear_attention", run a Gated DeltaNet mixer (`models/deltanet.py`); every layer then has the same MLP.
@@ -38,9 +39,8 @@ def rope_inv_freq(cfg: ModelConfig, theta: float | None = None, scaling: dict | 
     theta = cfg.rope_theta if theta is None else theta
     scaling = cfg.rope_scaling_dict if scaling is None else scaling
     dim = cfg.rotary_dim or cfg.head_dim  # partial RoPE (Qwen3.5) rotates the first rotary_dim dims
-    inv = (1.0 / (np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))).astype(
-        np.float32
-    )
+    inv = (1.0 / (np.float32(theta)
+                  ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))).astype(np.float32)
     if scaling.get("rope_type") == "linear":
         inv = (inv / np.float32(scaling["factor"])).astype(np.float32)
     elif scaling.get("rope_type") == "llama3":
@@ -144,8 +144,8 @@ def attend(
 
     probs [B, K, G, S, N + S] fp32 are the softmax weights over the candidates (cache slots first, then the
     block's tokens), the input every attention-based eviction score reads. With `sinks`, each head's sink
-    logit joins the softmax (unscaled, never masked) and is dropped: a row's probs sum to less than one.
-    """
+    logit joins the softmax (unscaled, never masked) and is dropped: a row's
+    probs sum to less than one. """
     b, s, nq, d = q.shape
     kh, n = k_cache.shape[1], k_cache.shape[2]
     qg = q.reshape(b, s, kh, nq // kh, d)  # [B, S, K, G, D]
@@ -203,8 +203,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array, c
     Without a window, the key chunks below the diagonal are seen whole by every query of the chunk: they get
     only a per-key padding bias (0 or MASK_VALUE, which absorbs any logit exactly) instead of the causal
     mask, and the diagonal chunk runs the masked body in a loop of its own (the same compiled body as
-    before, so the output is bit-identical). A power-of-two `attn_scale` is applied to q (exact) instead of
-    to each chunk's logits.
+    before, so the output is bit-identical). A power-of-two `attn_scale` is applied to q (exact)
+    instead of to each chunk's logits.
     """
     b, t, nq, d = q.shape
     kh, g = k.shape[2], nq // k.shape[2]
@@ -217,7 +217,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array, c
     folded = math.frexp(cfg.attn_scale)[0] == 0.5 and not cfg.attn_softcap  # scale is 2^e: q * scale is exact
     if folded:
         q = q * jnp.asarray(cfg.attn_scale, q.dtype)
-    qh = q.reshape(b, n, c, kh, g, d).transpose(1, 0, 3, 4, 2, 5).reshape(n, b, kh, g * c, d)  # [n, B, K, Gc, D]
+    # qh [n, B, K, Gc, D]
+    qh = q.reshape(b, n, c, kh, g, d).transpose(1, 0, 3, 4, 2, 5).reshape(n, b, kh, g * c, d)
     kc = k.reshape(b, n, c, kh, d).transpose(1, 0, 3, 2, 4)  # [n, B, K, c, D]
     vc = v.reshape(b, n, c, kh, d).transpose(1, 0, 3, 2, 4)
     pc = pos.reshape(b, n, c).transpose(1, 0, 2)  # [n, B, c]
@@ -246,13 +247,13 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array, c
             return update(carry, jnp.where(mask, logits(j), MASK_VALUE), j)
 
         def update(carry, s, j):
-            m, l, acc = carry  # [B, K, Gc], [B, K, Gc], [B, K, Gc, D]
+            m, denom, acc = carry  # [B, K, Gc], [B, K, Gc], [B, K, Gc, D]
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             p = jnp.exp(s - m_new[..., None])
             scale = jnp.exp(m - m_new)
             acc = acc * scale[..., None] + jnp.einsum("bkqp,bkpd->bkqd", p.astype(v.dtype), vc[j],
                                                       preferred_element_type=jnp.float32)
-            return m_new, l * scale + jnp.sum(p, axis=-1), acc
+            return m_new, denom * scale + jnp.sum(p, axis=-1), acc
 
         shape = (b, kh, g * c)
         first = 0 if window is None else jnp.maximum(0, (i * c - window + 1) // c)
@@ -265,8 +266,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array, c
         if window is None:
             carry = jax.lax.fori_loop(0, i, below, carry)
             first = i
-        m, l, acc = jax.lax.fori_loop(first, i + 1, key_chunk, carry)
-        out = jnp.where(qp[..., 0, None] >= 0, acc / l[..., None], 0.0)  # [B, K, Gc, D]
+        m, denom, acc = jax.lax.fori_loop(first, i + 1, key_chunk, carry)
+        out = jnp.where(qp[..., 0, None] >= 0, acc / denom[..., None], 0.0)  # [B, K, Gc, D]
         return None, out.reshape(b, kh, g, c, d).transpose(0, 3, 1, 2, 4).reshape(b, c, nq, d).astype(q.dtype)
 
     _, out = jax.lax.scan(query_chunk, None, (qh, pc, jnp.arange(n)))  # [n, B, c, Nq, D]
@@ -378,8 +379,8 @@ def dense_linear_layer(lw: dict, x: jax.Array, pos: jax.Array, cfg: ModelConfig)
 def forward(params: Params, ids: jax.Array, logits_at: jax.Array | None = None) -> jax.Array:
     """Plain dense causal forward of ids [B, T] -> fp32 logits [B, T, V] (no cache, no eviction).
 
-    `logits_at` [P] (positions) computes the LM head there only -> [B, P, V] (large vocabularies, long T).
-    """
+    `logits_at` [P] (positions) computes the LM head there only -> [B, P, V]
+    (large vocabularies, long T). """
     cfg = params.config
     b, t = ids.shape
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))

@@ -13,8 +13,9 @@ os.environ.setdefault("VDJAX_COMPILE_CACHE", "0")
 
 
 def _converted(name: str, tmp_path_factory) -> Path:
-    """A registered model converted once per session (GGUF -> HF folder) under $VDJAX_CACHE or a pytest tmp dir."""
-    from vdjax import registry
+    """A registered model converted once per session (GGUF -> HF folder) under
+    $VDJAX_CACHE or a pytest tmp dir."""
+    from vdjax.loading import registry
 
     source = registry.REGISTRY[name]
     if importlib.util.find_spec(source.package) is None:
@@ -65,9 +66,9 @@ def pytest_runtest_makereport(item, call):
 
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
-    """Drop every module's compiled programs when it ends: each XLA:CPU executable holds several memory maps, and
-    the whole suite's thousands of programs in one process approach vm.max_map_count (65530), where LLVM's next
-    mmap fails and the process segfaults (seen once in CI, inside a compile in test_pipeline)."""
+    """Drop every module's compiled programs when it ends: each XLA:CPU executable holds several memory maps,
+    and the whole suite's thousands of programs in one process approach vm.max_map_count (65530), where LLVM's
+    next mmap fails and the process segfaults (seen once in CI, inside a compile in test_pipeline)."""
     yield
     import jax
 

@@ -5,7 +5,7 @@ import numpy as np
 
 from vdjax.models.config import ModelConfig
 from vdjax.models.params import Params
-from vdjax.models.spec import init_params
+from vdjax.models.weights import init_params
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -51,7 +51,7 @@ def tiny_tokenizer(chat: bool = True):
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from vdjax.needle import ANSWER_PREFIX, INSTRUCTION, NEEDLE, NOISE, QUESTION
+    from vdjax.app.needle import ANSWER_PREFIX, INSTRUCTION, NEEDLE, NOISE, QUESTION
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

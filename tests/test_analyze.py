@@ -1,4 +1,5 @@
-"""`vdjax analyze` end to end on a tiny random Llama checkpoint: files, tables, figures, hybrid weights by name."""
+"""`vdjax analyze` end to end on a tiny random Llama checkpoint: files, tables,
+figures, hybrid weights by name."""
 
 import csv
 import json
@@ -10,9 +11,10 @@ transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
 import vdjax  # noqa: E402
+from vdjax.app.cli import main  # noqa: E402
+from vdjax.engine.policies import default_policies  # noqa: E402
+
 from helpers import tiny_tokenizer  # noqa: E402
-from vdjax.cli import main  # noqa: E402
-from vdjax.policies import default_policies  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -20,10 +22,11 @@ def tiny_dir(tmp_path_factory):
     """A 3-layer random LlamaForCausalLM with a byte-level tokenizer, saved as an HF folder."""
     path = tmp_path_factory.mktemp("tiny_llama_geo")
     tok = tiny_tokenizer(chat=False)
-    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                   max_position_embeddings=1024, tie_word_embeddings=True,
-                                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                   head_dim=8, max_position_embeddings=1024, tie_word_embeddings=True,
+                                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                                   bos_token_id=None)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)
@@ -41,8 +44,8 @@ def test_analyze_writes_tables_figures_and_weights_used_by_name(tiny_dir, tmp_pa
     assert "KV geometry of" in printed and "held-out attention-output error" in printed
     folder = out / tiny_dir.name
     for name in ("geometry.json", "layers.csv", "heads.csv", "summary.md", "sigma_per_layer.png",
-                 "sink_rate_per_layer.png", "ratio_per_layer.png", "bos_cos_per_layer.png", "jaccard_per_layer.png",
-                 "hybrid-geometry.json", "hybrid-fitted.json"):
+                 "sink_rate_per_layer.png", "ratio_per_layer.png", "bos_cos_per_layer.png",
+                 "jaccard_per_layer.png", "hybrid-geometry.json", "hybrid-fitted.json"):
         assert (folder / name).is_file(), name
     for name in ("models.md", "models.csv", "figure1.png"):
         assert (out / name).is_file(), name
@@ -65,16 +68,18 @@ def test_analyze_writes_tables_figures_and_weights_used_by_name(tiny_dir, tmp_pa
     assert set(fitted["held_out_error_per_layer"]) == {"fitted", "geometry", "valuediff", "keydiff", "even"}
     nll = fitted["selection"]["nll"]  # the end-to-end selection: the saved mix is the lowest-NLL candidate
     assert set(nll) == {"fitted", "geometry", "valuediff", "keydiff", "even", "dense"}
-    assert fitted["selected"] == fitted["chosen"] == min([k for k in nll if k != "dense"], key=nll.get)  # ties: first
+    # on a tie in NLL, the first candidate is chosen
+    assert fitted["selected"] == fitted["chosen"] == min([k for k in nll if k != "dense"], key=nll.get)
     expect = {"valuediff": 1.0, "keydiff": 0.0, "even": 0.5}.get(fitted["chosen"])
     want = np.array(fitted["per_layer_fit"]) if fitted["chosen"] == "fitted" else expect
     if want is not None:
         np.testing.assert_allclose(fitted["weights"], np.broadcast_to(want, (3, 2)))
     assert "End-to-end selection at N=16" in (folder / "summary.md").read_text()
     # saved next to the checkpoint: "hybrid" by name uses the fitted weights
-    assert (tiny_dir / "vdjax-hybrid" / "fitted.json").read_text() == (folder / "hybrid-fitted.json").read_text()
+    saved = (folder / "hybrid-fitted.json").read_text()
+    assert (tiny_dir / "vdjax-hybrid" / "fitted.json").read_text() == saved
     # ... and as the mix of the budget it was fitted and selected at
-    assert (tiny_dir / "vdjax-hybrid" / "fitted-N16.json").read_text() == (folder / "hybrid-fitted.json").read_text()
+    assert (tiny_dir / "vdjax-hybrid" / "fitted-N16.json").read_text() == saved
     params = vdjax.load(tiny_dir)
     ids = np.random.RandomState(0).randint(0, params.config.vocab_size, 80)
     by_name = vdjax.generate(params, ids, "hybrid", budget=16, block_size=16, max_new_tokens=4)
@@ -101,7 +106,7 @@ def test_analyze_select_on_ruler_saves_the_chosen_mix(tiny_dir, tmp_path, monkey
     """--select-on ruler hands the five candidates to `select_on_ruler` (held-out seed, folder
     OUT/<model>/selection-N<budget>, the geometry rule as the prior) and saves the one it returns, with its
     scores and how it beat the prior, as the fitted mix."""
-    from vdjax import analyze as A
+    from vdjax.app import analyze as A
 
     monkeypatch.setenv("VDJAX_COMPILE_CACHE", "0")
     seen = {}
@@ -113,9 +118,10 @@ def test_analyze_select_on_ruler_saves_the_chosen_mix(tiny_dir, tmp_path, monkey
 
     monkeypatch.setattr(A, "select_on_ruler", spy)
     out = tmp_path / "geo"
-    assert main(["analyze", "--model", str(tiny_dir), "--out", str(out), "--length", "128", "--per-category", "1",
-                 "--topk", "0", "--fit", "--budget", "16", "--block-size", "32", "--fit-prompts", "1",
-                 "--fit-steps", "2", "--select-on", "ruler", "--select-samples", "3"]) == 0
+    assert main(["analyze", "--model", str(tiny_dir), "--out", str(out), "--length", "128",
+                 "--per-category", "1", "--topk", "0", "--fit", "--budget", "16", "--block-size", "32",
+                 "--fit-prompts", "1", "--fit-steps", "2", "--select-on", "ruler",
+                 "--select-samples", "3"]) == 0
     folder = out / tiny_dir.name
     assert set(seen["candidates"]) == {"fitted", "geometry", "valuediff", "keydiff", "even"}
     assert seen["budget"] == 16 and seen["samples"] == 3 and seen["out_dir"] == folder / "selection-N16"
@@ -124,5 +130,6 @@ def test_analyze_select_on_ruler_saves_the_chosen_mix(tiny_dir, tmp_path, monkey
     assert fitted["chosen"] == "even" and fitted["selection"]["seed"] == A.VALIDATION_SEED != 42
     np.testing.assert_allclose(fitted["weights"], np.full((3, 2), 0.5))
     assert fitted["selection"]["score"]["even"] == 0.5 and "qa_1" not in fitted["selection"]["tasks"]
-    assert fitted["selection"]["prior"] == "geometry" and fitted["selection"]["difference"] == [40.0, 10.0, 70.0]
+    assert fitted["selection"]["prior"] == "geometry"
+    assert fitted["selection"]["difference"] == [40.0, 10.0, 70.0]
     assert "mean RULER score of 3 held-out samples" in (folder / "summary.md").read_text()

@@ -1,4 +1,5 @@
-"""bench/gpu.py keeps working: it says plainly when no GPU is visible, and its CPU smoke mode fills the table."""
+"""bench/gpu.py keeps working: it says plainly when no GPU is visible, and its CPU
+smoke mode fills the table."""
 
 import json
 import os
@@ -15,8 +16,8 @@ CPU_ONLY = dict(os.environ, JAX_PLATFORMS="cpu")  # the same on every machine, a
 
 
 def test_says_plainly_without_a_gpu(tmp_path):
-    out = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "gpu.md")], capture_output=True,
-                         text=True, timeout=300, env=CPU_ONLY)
+    out = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "gpu.md")],
+                         capture_output=True, text=True, timeout=300, env=CPU_ONLY)
     assert out.returncode == 0, out.stderr
     assert "No GPU visible" in out.stdout and "nothing was measured" in out.stdout
     assert not (tmp_path / "gpu.md").exists()
@@ -42,4 +43,5 @@ def test_cpu_smoke_run_fills_the_table(tmp_path):
               len(ln.split("|")) == 9]
     assert [d[2].strip() for d in decode] == ["dense", "valuediff"]
     steps = saved["decode"][1]
-    assert steps["steps"] == 3 and float(decode[1][3]) == pytest.approx(steps["steps"] / steps["decode_s"], rel=0.01)
+    assert steps["steps"] == 3
+    assert float(decode[1][3]) == pytest.approx(steps["steps"] / steps["decode_s"], rel=0.01)

@@ -1,4 +1,5 @@
-"""Built-in calibration prompts (vdjax.calibration): sizes, determinism, contents, file prompts, errors."""
+"""Built-in calibration prompts (vdjax.analysis.calibration): sizes, determinism,
+contents, file prompts, errors."""
 
 import importlib.resources
 import importlib.util
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from vdjax.calibration import (
+from vdjax.analysis.calibration import (
     CATEGORIES,
     CODE_MODULES,
     CalibrationPrompt,
@@ -99,7 +100,7 @@ def test_deterministic(tokenizer):
 
 
 def test_same_texts_in_another_process():
-    code = ("import json, sys; from vdjax.calibration import builtin_texts as t; "
+    code = ("import json, sys; from vdjax.analysis.calibration import builtin_texts as t; "
             "json.dump([t(c, 1, 2000) for c in ('math', 'retrieval')], sys.stdout)")
     env = dict(os.environ, PYTHONHASHSEED="12345", JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)

@@ -7,9 +7,11 @@ import pytest
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
+from vdjax.app.cli import main  # noqa: E402
+from vdjax.app.needle import NEEDLE, is_correct, needle_prompt  # noqa: E402
+
 from helpers import tiny_tokenizer as _tokenizer  # noqa: E402
-from vdjax.cli import main  # noqa: E402
-from vdjax.needle import NEEDLE, is_correct, needle_prompt  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def tok():
@@ -201,7 +203,10 @@ def test_empty_prompt(tiny_model, capsys):
         ),
         (["generate", "--budget", "4", "--prompt", "x", "--policy-arg", "n_sink=2"], "argument --policy-arg"),
         (["generate", "--budget", "4", "--prompt", "x", "--top-p", "0"], "argument --top-p"),
-        (["generate", "--budget", "4"], "one of the arguments --prompt --prompt-file --context-file is required"),
+        (
+            ["generate", "--budget", "4"],
+            "one of the arguments --prompt --prompt-file --context-file is required",
+        ),
         (["demo", "--policies", "dense,nope"], "argument --policies: unknown policy 'nope'"),
         (["convert", "not-a-model"], "neither a .gguf file nor a registered model"),
         (["convert", "/no/such/model.gguf"], "argument NAME_OR_GGUF: no such file"),

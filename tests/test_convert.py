@@ -15,10 +15,10 @@ from safetensors.numpy import load_file, save_file
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from vdjax import registry  # noqa: E402
 from vdjax.convert import hf  # noqa: E402
 from vdjax.convert.checkpoint import load_params, save_params  # noqa: E402
 from vdjax.convert.hf import load_hf_checkpoint  # noqa: E402
+from vdjax.loading import registry  # noqa: E402
 from vdjax.models.config import ModelConfig  # noqa: E402
 
 H, D, V, F = 64, 16, 100, 96
@@ -162,7 +162,6 @@ def test_weights_come_from_the_family_spec(tmp_path):
     """Qwen2 biases and Qwen3 q/k norms load through the spec's declarations, switched on by the config;
     without the switch their keys are unexpected. The spec's expected shapes, abstract tree and random init
     agree with what the converter loads."""
-    from vdjax.models import spec
 
     common = dict(vocab_size=V, hidden_size=H, intermediate_size=F, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=D, tie_word_embeddings=False)
@@ -182,11 +181,12 @@ def test_weights_come_from_the_family_spec(tmp_path):
                     key = f"model.layers.{i}.self_attn.{name}"
                     np.testing.assert_array_equal(np.reshape(weights["layers"][i][target], -1), sd[key])
         assert set(weights["layers"][0]) >= ({"bq", "bk", "bv"} if n == 0 else {"q_norm", "k_norm"})
-        shapes = jax.tree.map(lambda x: x.shape, spec.abstract(cfg))
+        shapes = jax.tree.map(lambda x: x.shape, weights.abstract(cfg))
         assert jax.tree.map(lambda x: x.shape, weights) == shapes
-        assert jax.tree.map(lambda x: x.shape, spec.init_params(cfg).weights) == shapes
+        assert jax.tree.map(lambda x: x.shape, weights.init_params(cfg).weights) == shapes
         plain = dataclasses.replace(cfg, qkv_bias=False, qk_norm=False)
-        with pytest.raises(ValueError, match="unexpected keys"):  # without the switch the weights are not expected
+        # without the switch the weights are not expected
+        with pytest.raises(ValueError, match="unexpected keys"):
             hf.load_weights(tmp_path / str(n), plain)
 
 
@@ -203,7 +203,7 @@ def test_orbax_round_trip(tmp_path):
         back = load_params(out)
         assert back.config == params.config and hash(back.config) == hash(params.config)
         assert jax.tree.structure(back.weights) == jax.tree.structure(params.weights)
-        for a, b in zip(jax.tree.leaves(params.weights), jax.tree.leaves(back.weights)):
+        for a, b in zip(jax.tree.leaves(params.weights), jax.tree.leaves(back.weights), strict=True):
             assert a.dtype == b.dtype and a.shape == b.shape
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     with pytest.raises(ValueError, match="already exists"):

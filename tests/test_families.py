@@ -1,20 +1,20 @@
-"""Qwen2, Qwen3, Gemma2, Gemma3: tiny random HF models equal HF (fp32, eager); eviction at full budget is dense;
-sliding layers never hold a token outside their window."""
+"""Qwen2, Qwen3, Gemma2, Gemma3: tiny random HF models equal HF (fp32, eager); eviction at full budget is
+dense; sliding layers never hold a token outside their window."""
 
 import json
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
-import jax.numpy as jnp
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from test_parity import hf_logits, rel_err  # noqa: E402
+
 import vdjax  # noqa: E402
 from vdjax.models import transformer as tf  # noqa: E402
-from vdjax.models.config import from_hf_config  # noqa: E402
-
-from test_parity import hf_logits, rel_err  # noqa: E402
+from vdjax.models.hf_config import from_hf_config  # noqa: E402
 
 V, T = 101, 80  # vocab; prompt length (> every sliding window below)
 W = 16
@@ -35,9 +35,9 @@ def _randomize(model, seed):
 
 def _qwen2(heads, kv, tied):
     return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
-        vocab_size=V, hidden_size=8 * heads, intermediate_size=96, num_hidden_layers=3, num_attention_heads=heads,
-        num_key_value_heads=kv, max_position_embeddings=256, tie_word_embeddings=tied,
-        attn_implementation="eager"))
+        vocab_size=V, hidden_size=8 * heads, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=256,
+        tie_word_embeddings=tied, attn_implementation="eager"))
 
 
 def _qwen3(heads, kv, tied, bias=False, sliding=False):
@@ -61,8 +61,9 @@ def _gemma3(heads, kv, linear=False, layers=3):
     full = {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6} if linear else {"rope_type": "default",
                                                                                       "rope_theta": 1e6}
     return transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
-        vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv, head_dim=16, query_pre_attn_scalar=16, sliding_window=W,
+        vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv, head_dim=16, query_pre_attn_scalar=16,
+        sliding_window=W,
         layer_types=None if layers == 7 else ["sliding_attention"] * (layers - 1) + ["full_attention"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": full},
@@ -77,7 +78,8 @@ FAMILIES = {
     "gemma2_gqa": lambda: _gemma2(4, 2),
     "gemma2_hard_softcaps": lambda: _gemma2(4, 1, softcaps=(2.0, 3.0)),
     "gemma3_mqa": lambda: _gemma3(4, 1),
-    "gemma3_gqa_linear_rope_7layers": lambda: _gemma3(4, 2, linear=True, layers=7),  # HF's default 5:1 pattern
+    # 7 layers: HF's default 5:1 pattern
+    "gemma3_gqa_linear_rope_7layers": lambda: _gemma3(4, 2, linear=True, layers=7),
 }
 # The eviction tests (one compile per policy) run on one model per family, the one with sliding layers if any.
 EVICTION = {"qwen2_14to2", "qwen3_bias_sliding", "gemma2_gqa", "gemma3_mqa"}
@@ -132,7 +134,8 @@ NEW = 6
 
 def test_full_budget_is_dense_every_policy(evicting_family):
     name, _, _, params = evicting_family
-    ids = [np.random.RandomState(2).randint(0, V, size=T), np.random.RandomState(3).randint(0, V, size=T - 13)]
+    ids = [np.random.RandomState(2).randint(0, V, size=T),
+           np.random.RandomState(3).randint(0, V, size=T - 13)]
     dense = vdjax.generate(params, ids, "dense", max_new_tokens=NEW, eos_token_id=[])
     for policy in vdjax.POLICIES:
         if policy == "dense":
@@ -145,9 +148,11 @@ def test_full_budget_is_dense_every_policy(evicting_family):
 @pytest.mark.parametrize("policy", ["valuediff", "snapkv", "h2o", "dense"])
 def test_sliding_layers_hold_only_live_tokens(evicting_family, policy):
     """After every block and decode step, a sliding layer's valid positions p satisfy next_pos - p < W, and it
-    holds exactly min(N, W - 1, seen) of them (all the live ones when they fit); global layers hold min(N, seen).
+    holds exactly min(N, W - 1, seen) of them (all the live ones when they fit);
+    global layers hold min(N, seen).
 
-    Rows of lengths 8, 16, ..., 80 (one ragged batch, rows evict independently) show the cache after each block.
+    Rows of lengths 8, 16, ..., 80 (one ragged batch, rows evict independently)
+    show the cache after each block.
     """
     name, _, _, params = evicting_family
     cfg = params.config
@@ -202,13 +207,14 @@ def test_qwen3_duplicate_tied_lm_head_checked_then_dropped(tmp_path):
 
 
 def test_gemma3_multimodal_checkpoint_loads_text_model(tmp_path):
-    """A Gemma3ForConditionalGeneration folder (weights under model.language_model.*, a vision tower beside them)
-    gives the text model's logits."""
+    """A Gemma3ForConditionalGeneration folder (weights under model.language_model.*, a vision tower beside
+    them) gives the text model's logits."""
     text = transformers.Gemma3TextConfig(
         vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=16, sliding_window=W, layer_types=["sliding_attention", "full_attention"])
-    vision = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
-                  patch_size=14)
+        num_key_value_heads=1, head_dim=16, sliding_window=W,
+        layer_types=["sliding_attention", "full_attention"])
+    vision = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  image_size=28, patch_size=14)
     cfg = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision, mm_tokens_per_image=4,
                                     image_token_id=V - 1, boi_token_id=V - 2, eoi_token_id=V - 3)
     cfg._attn_implementation = "eager"
@@ -227,13 +233,15 @@ def test_gemma3_multimodal_checkpoint_loads_text_model(tmp_path):
 @pytest.mark.parametrize("change, match", [
     ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
     ({"hidden_activation": "relu"}, "hidden_act='relu'"),
-    ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e4}}, "rope type 'longrope'"),
+    ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e4}},
+     "rope type 'longrope'"),
     ({"some_new_switch": 3}, "some_new_switch=3"),
     ({"layer_types": ["chunked_attention"] * 2}, "chunked_attention"),
 ])
 def test_config_refuses_unhandled_math_by_name(change, match):
-    base = transformers.Gemma3TextConfig(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=1, head_dim=16).to_dict()
+    base = transformers.Gemma3TextConfig(vocab_size=V, hidden_size=64, intermediate_size=96,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                                         head_dim=16).to_dict()
     base["architectures"] = ["Gemma3ForCausalLM"]
     from_hf_config(base)
     with pytest.raises(ValueError, match=match):
@@ -241,7 +249,8 @@ def test_config_refuses_unhandled_math_by_name(change, match):
 
 
 def test_gemma3_older_config_keys():
-    """transformers 4.x Gemma3 configs: sliding_window_pattern, rope_local_base_freq, a global-only rope_scaling."""
+    """transformers 4.x Gemma3 configs: sliding_window_pattern, rope_local_base_freq,
+    a global-only rope_scaling."""
     hf = {"architectures": ["Gemma3ForCausalLM"], "vocab_size": V, "hidden_size": 64, "intermediate_size": 96,
           "num_hidden_layers": 12, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16,
           "sliding_window": 512, "sliding_window_pattern": 6, "rope_theta": 1e6, "rope_local_base_freq": 1e4,

@@ -12,10 +12,10 @@ import json
 
 import numpy as np
 import pytest
+
+from vdjax.analysis import geometry as G
 from vdjax.eval import figure2 as F2
 from vdjax.eval.records import PredictionsFile
-
-from vdjax import geometry as G
 
 MODEL, LENGTH = "tiny-model", 1000
 
@@ -23,7 +23,8 @@ MODEL, LENGTH = "tiny-model", 1000
 SCORES = {
     ("dense", None): {"t1": {"a": 1.0, "b": 1.0, "c": 0.5, "d": 1.0}, "t2": {"e": 1.0, "f": 0.5}},
     # budget 100: t1/d has no keydiff line, t2/g has no dense line -> both left out
-    ("valuediff", 100): {"t1": {"a": 1.0, "b": 0.0, "c": 0.5, "d": 1.0}, "t2": {"e": 1.0, "f": 1.0, "g": 1.0}},
+    ("valuediff", 100): {"t1": {"a": 1.0, "b": 0.0, "c": 0.5, "d": 1.0},
+                         "t2": {"e": 1.0, "f": 1.0, "g": 1.0}},
     ("keydiff", 100): {"t1": {"a": 0.0, "b": 0.0, "c": 0.5}, "t2": {"e": 1.0, "f": 0.0, "g": 0.0}},
     # budget 200: only t1/a and t1/b have all three; valuediff's t1/a has two draws (mean 0.5); t1/c has no
     # valuediff line; t2 has no keydiff line at all
@@ -121,7 +122,8 @@ def test_gaps_pairing_and_paper_points(tree, tmp_path):
     g9 = {r["budget"]: r for r in paper if r["model"] == "Gemma2-9B"}
     assert float(g9["2k"]["gap"]) == pytest.approx(0.4) and float(g9["4k"]["gap"]) == pytest.approx(0.7)
     assert float(g9[""]["gap"]) == pytest.approx(0.55)
-    assert (float(g9[""]["ratio"]), float(g9[""]["bos_cos"]), float(g9[""]["sink_rate"])) == (1.0, -0.424, 0.542)
+    assert (float(g9[""]["ratio"]), float(g9[""]["bos_cos"]),
+            float(g9[""]["sink_rate"])) == (1.0, -0.424, 0.542)
     llama = {r["budget"]: r for r in paper if r["model"] == "Llama 3.1-8B"}
     assert (float(llama["2k"]["valuediff"]), float(llama["2k"]["keydiff"])) == (88.1, 89.6)
     assert "| Gemma2-9B | paper |" in md

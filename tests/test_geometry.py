@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 import vdjax
+from vdjax.analysis import geometry as G
+
 from helpers import random_ids, random_params, tiny_config
-from vdjax import geometry as G
 
 
 def _np_dispersion(x):
@@ -17,7 +18,8 @@ def _np_dispersion(x):
 
 
 def _np_jaccard(probs, positions, k):
-    """Appendix D literally: every ordered pair, top-k sets over the shared prefix (ties -> earlier position)."""
+    """Appendix D literally: every ordered pair, top-k sets over the shared prefix
+    (ties -> earlier position)."""
     h, n = probs.shape[0], len(positions)
     out = np.zeros((h, n))
     for head in range(h):
@@ -36,11 +38,13 @@ def _np_jaccard(probs, positions, k):
 
 def test_kv_statistics_match_numpy():
     rng = np.random.default_rng(0)
-    k = rng.normal(size=(3, 50, 8)).astype(np.float32) * rng.uniform(0.5, 3, size=(3, 1, 1)).astype(np.float32)
+    k = rng.normal(size=(3, 50, 8)).astype(np.float32)
+    k = k * rng.uniform(0.5, 3, size=(3, 1, 1)).astype(np.float32)
     v = rng.normal(size=(3, 50, 8)).astype(np.float32)
     np.testing.assert_allclose(G.dispersion(jnp.asarray(k)), _np_dispersion(k.astype(np.float64)), rtol=1e-5)
     np.testing.assert_allclose(G.top_singular(jnp.asarray(v)),
-                               [np.linalg.svd(x.astype(np.float64), compute_uv=False)[0] for x in v], rtol=1e-5)
+                               [np.linalg.svd(x.astype(np.float64), compute_uv=False)[0] for x in v],
+                               rtol=1e-5)
     rest = k[:, 1:].mean(axis=1)
     ref = np.sum(k[:, 0] * rest, -1) / np.linalg.norm(k[:, 0], axis=-1) / np.linalg.norm(rest, axis=-1)
     np.testing.assert_allclose(G.bos_key_cosine(jnp.asarray(k)), ref, rtol=1e-5, atol=1e-6)
@@ -65,7 +69,8 @@ def test_known_answers():
         probs[h, :, 0] = w
         probs[h, 0, 0] = 1.0  # the BOS query itself is excluded
     np.testing.assert_allclose(G.bos_attention(jnp.asarray(probs)), [0.5, 0.1, 0.31, 0.29], rtol=1e-6)
-    st = G.layer_stats(jnp.asarray(k.repeat(2, 0)), jnp.asarray(k.repeat(2, 0)), jnp.asarray(probs), topk=None)
+    st = G.layer_stats(jnp.asarray(k.repeat(2, 0)), jnp.asarray(k.repeat(2, 0)), jnp.asarray(probs),
+                       topk=None)
     np.testing.assert_array_equal(st["sink"], [1, 0, 1, 0])
 
 
@@ -121,7 +126,8 @@ def test_capture_matches_dense_cache_and_analyze_aggregates(tmp_path):
     prompts = [ids, random_ids(36, cfg.vocab_size, seed=5)]
     geo = G.analyze(params, prompts, model="tiny", topk=4, n_queries=6, margin=4)
     # per-head numbers are the mean over prompts of the per-prompt statistics
-    per_prompt = [[G.layer_stats(k, v, p, topk=4, n_queries=6, margin=4) for _, k, v, p in G.capture(params, x)]
+    per_prompt = [[G.layer_stats(k, v, p, topk=4, n_queries=6, margin=4)
+                   for _, k, v, p in G.capture(params, x)]
                   for x in prompts]
     for name in ("sigma_k", "sigma_v", "bos_cos", "bos_attn", "sink", "jaccard", "s1_k"):
         ref = np.mean([[layer[name] for layer in pp] for pp in per_prompt], axis=0)

@@ -1,22 +1,23 @@
 """GPT-OSS: learned sinks, mixture of experts, YaRN, sliding layers, MXFP4, against tiny random HF models
-(fp32, eager). Prompts of 60 tokens are several windows (8) long; both layer orders (sliding first, full first)."""
+(fp32, eager). Prompts of 60 tokens are several windows (8) long; both layer orders
+(sliding first, full first)."""
 
 import json
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
-import jax.numpy as jnp
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+
+from test_parity import hf_logits, rel_err  # noqa: E402
 
 import vdjax  # noqa: E402
 from vdjax.convert import mxfp4  # noqa: E402
 from vdjax.models import moe as M  # noqa: E402
 from vdjax.models import transformer as tf  # noqa: E402
-from vdjax.models.config import from_hf_config  # noqa: E402
-
-from test_parity import hf_logits, rel_err  # noqa: E402
+from vdjax.models.hf_config import from_hf_config  # noqa: E402
 
 V, T, NEW, W = 128, 60, 6, 8
 ORDERS = {"sliding_first": ["sliding_attention", "full_attention"] * 2,
@@ -98,8 +99,8 @@ def test_config_and_dense_logits_match_hf(gpt):
 
 def _hf_greedy(model, ids, new):
     with torch.no_grad():
-        out = model.generate(torch.tensor(ids[None], dtype=torch.long), max_new_tokens=new, min_new_tokens=new,
-                             do_sample=False, pad_token_id=0)
+        out = model.generate(torch.tensor(ids[None], dtype=torch.long), max_new_tokens=new,
+                             min_new_tokens=new, do_sample=False, pad_token_id=0)
     return out[0, len(ids):].numpy()
 
 
@@ -184,7 +185,8 @@ def test_ragged_rows_equal_their_single_runs(sliding_first):
     rows = [_ids(7, 60), _ids(8, 23), _ids(9, 41)]
     batch = vdjax.run(params, rows, "valuediff", budget=16, block_size=8, max_new_tokens=5, eos_token_id=[])
     for r, ids in enumerate(rows):
-        alone = vdjax.run(params, ids, "valuediff", budget=16, block_size=8, max_new_tokens=5, eos_token_id=[])
+        alone = vdjax.run(params, ids, "valuediff", budget=16, block_size=8, max_new_tokens=5,
+                          eos_token_id=[])
         np.testing.assert_array_equal(alone.tokens[0], batch.tokens[r])
         for i in range(params.config.num_layers):
             assert sorted(np.asarray(alone.cache[i].pos[0]).ravel().tolist()) == \
@@ -194,10 +196,11 @@ def test_ragged_rows_equal_their_single_runs(sliding_first):
 def test_dispatch_equals_all_experts_reference():
     """The sparse dispatch (CPU loop over selected experts, tiles, and ragged_dot) = every expert on every
     token, weighted; unselected experts and tile padding change nothing."""
-    from vdjax.models import spec
+    from vdjax.models import weights
 
-    cfg = from_hf_config(_config(ORDERS["sliding_first"], num_local_experts=8, num_experts_per_tok=3).to_dict())
-    lw = spec.init_params(cfg, seed=3).weights["layers"][0]
+    hf_cfg = _config(ORDERS["sliding_first"], num_local_experts=8, num_experts_per_tok=3)
+    cfg = from_hf_config(hf_cfg.to_dict())
+    lw = weights.init_params(cfg, seed=3).weights["layers"][0]
     x = jnp.asarray(np.random.RandomState(0).randn(37, cfg.hidden_size), jnp.float32)
     idx, w = M.route(lw, x, cfg)
     ref = M.dense_moe(lw, x, idx, w, cfg)
@@ -275,7 +278,8 @@ def test_mxfp4_checkpoint_loads_and_matches_hf(tmp_path, sliding_first):
     assert rel_err(np.asarray(tf.forward(params, jnp.asarray(ids))), ref) < 1e-4
     cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="quantization_config.quant_method='gptq' \\(GptOssForCausalLM reads"):
+    with pytest.raises(ValueError,
+                       match="quantization_config.quant_method='gptq' \\(GptOssForCausalLM reads"):
         vdjax.load(tmp_path)
 
 
@@ -292,24 +296,26 @@ def test_released_config_format_reads(tmp_path):
     cfg = from_hf_config({
         "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True,
         "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
-        "initial_context_length": 4096, "intermediate_size": 2880, "layer_types": ORDERS["sliding_first"] * 6,
+        "initial_context_length": 4096, "intermediate_size": 2880,
+        "layer_types": ORDERS["sliding_first"] * 6,
         "max_position_embeddings": 131072, "num_attention_heads": 64, "num_experts_per_tok": 4,
         "num_hidden_layers": 24, "num_key_value_heads": 8, "num_local_experts": 32, "rms_norm_eps": 1e-05,
-        "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings":
-                         4096, "rope_type": "yarn", "truncate": False},
+        "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                         "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
         "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
         "tie_word_embeddings": False, "vocab_size": 201088, "eos_token_id": 200002, "pad_token_id": 199999,
         "quantization_config": {"quant_method": "mxfp4"}})
     assert (cfg.num_experts, cfg.experts_per_token, cfg.head_dim, cfg.sliding_window) == (32, 4, 64, 128)
     assert cfg.rope_attention_factor == pytest.approx(1.3465735902799727)
     inv = tf.rope_inv_freq(cfg)
-    np.testing.assert_allclose(inv[[0, 7, 8, 9, 12, 17, 18, 31]], [1.0, 0.0737445652, 0.0508132756, 0.0317056961,
-                               0.0067949593, 1.29318694e-4, 3.83088118e-5, 3.02351140e-7], rtol=1e-6)
+    np.testing.assert_allclose(inv[[0, 7, 8, 9, 12, 17, 18, 31]],
+                               [1.0, 0.0737445652, 0.0508132756, 0.0317056961, 0.0067949593, 1.29318694e-4,
+                                3.83088118e-5, 3.02351140e-7], rtol=1e-6)
 
 
 def test_geometry_reports_learned_sink_mass(sliding_first):
     """`analyze` reports the mean learned-sink mass per layer/head: 1 - the weights over real tokens."""
-    from vdjax import geometry as G
+    from vdjax.analysis import geometry as G
 
     model, _, params = sliding_first
     ids = _ids(11, 48)

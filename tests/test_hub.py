@@ -4,17 +4,17 @@ the text-in / text-out `vdjax.answer`."""
 import json
 import shutil
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
-import jax.numpy as jnp
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
 import vdjax  # noqa: E402
-from vdjax import registry  # noqa: E402
+from vdjax.app.cli import main  # noqa: E402
 from vdjax.convert.hf import default_dtype  # noqa: E402
-from vdjax.cli import main  # noqa: E402
+from vdjax.loading import registry  # noqa: E402
 
 from helpers import tiny_tokenizer  # noqa: E402
 
@@ -26,10 +26,10 @@ def folder(tmp_path_factory):
     """A tiny random Llama with its tokenizer (and a pickle file the Hub would also offer)."""
     tok = tiny_tokenizer()
     path = tmp_path_factory.mktemp("tiny")
-    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
-                                   tie_word_embeddings=True)
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   head_dim=8, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                                   bos_token_id=None, tie_word_embeddings=True)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)
@@ -38,7 +38,8 @@ def folder(tmp_path_factory):
 
 @pytest.fixture
 def hub_cache(tmp_path, folder, monkeypatch):
-    """A local HF cache holding owner/tiny at refs main (COMMIT) and v1 (OTHER, its config marked); offline."""
+    """A local HF cache holding owner/tiny at refs main (COMMIT) and v1 (OTHER,
+    its config marked); offline."""
     from huggingface_hub import constants
 
     repo = tmp_path / "hub" / "models--owner--tiny"
@@ -61,13 +62,15 @@ def test_hub_id_loads_from_the_local_cache(hub_cache, folder):
     local = vdjax.load(folder)
     assert params.config == local.config
     np.testing.assert_array_equal(params.weights["embed"], local.weights["embed"])
-    assert vdjax.load_tokenizer("owner/tiny").encode("The sky") == vdjax.load_tokenizer(folder).encode("The sky")
+    from_hub = vdjax.load_tokenizer("owner/tiny").encode("The sky")
+    assert from_hub == vdjax.load_tokenizer(folder).encode("The sky")
     assert vdjax.load("owner/tiny", revision="v1").config.rms_norm_eps == 1e-3  # revision= picks the ref
     assert registry.resolve("owner/tiny", revision=OTHER).name == OTHER
 
 
 def test_missing_hub_id_names_the_id_offline(hub_cache):
-    with pytest.raises(ValueError, match="Hub model 'owner/absent' is not in the local HF cache .*HF_HUB_OFFLINE"):
+    with pytest.raises(ValueError,
+                       match="Hub model 'owner/absent' is not in the local HF cache .*HF_HUB_OFFLINE"):
         vdjax.load("owner/absent")
     with pytest.raises(ValueError, match="revision 'v9'"):
         vdjax.load("owner/tiny", revision="v9")

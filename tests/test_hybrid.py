@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 import vdjax
-from helpers import random_ids, random_params, tiny_config
-from vdjax import hybrid as HY
-from vdjax import policies as P
+from vdjax.analysis import hybrid as HY
+from vdjax.engine import policies as P
 from vdjax.models.params import Params
+
+from helpers import random_ids, random_params, tiny_config
 
 
 def _z(s, valid):
@@ -38,10 +39,12 @@ def _np_scores(k, v, pos):
 def test_score_is_the_numpy_mix_and_exact_at_the_endpoints():
     rng = np.random.default_rng(0)
     b, kh, c, d = 2, 3, 20, 8
-    k, v = rng.normal(size=(b, kh, c, d)).astype(np.float32), rng.normal(size=(b, kh, c, d)).astype(np.float32)
+    k = rng.normal(size=(b, kh, c, d)).astype(np.float32)
+    v = rng.normal(size=(b, kh, c, d)).astype(np.float32)
     pos = np.tile(np.arange(c), (b, kh, 1))
     pos[0, 1, 5:9] = -1
-    attn = P.AttnInfo(jnp.zeros((b, kh, 1, 1, c)), jnp.zeros((b, 1), jnp.int32), jnp.zeros((b, kh, c)), layer=1)
+    attn = P.AttnInfo(jnp.zeros((b, kh, 1, 1, c)), jnp.zeros((b, 1), jnp.int32), jnp.zeros((b, kh, c)),
+                      layer=1)
     vd, kd, valid = _np_scores(k, v, pos)
     w = ((1.0, 1.0, 1.0), (0.25, 1.0, 0.0))  # layer 1: a mix, pure ValueDiff, pure KeyDiff head
     got = np.asarray(HY.hybrid(jnp.asarray(k), jnp.asarray(v), attn, jnp.asarray(pos), mix=w))
@@ -148,7 +151,8 @@ def _np_eviction_error(k, v, probs, w, budget, block, rows):
                 cand[b * block:end] = True
                 pos = np.where(cand, np.arange(t), -1)[None, None]
                 vd, kd, valid = _np_scores(k[p, h][None, None], v[p, h][None, None], pos)
-                s = vd if w[h] == 1 else kd if w[h] == 0 else w[h] * _z(vd, valid) + (1 - w[h]) * _z(kd, valid)
+                s = (vd if w[h] == 1 else kd if w[h] == 0
+                     else w[h] * _z(vd, valid) + (1 - w[h]) * _z(kd, valid))
                 order = sorted(np.flatnonzero(cand), key=lambda j: (-s[0, 0, j], j))
                 kept = np.zeros(t, bool)
                 kept[order[:budget]] = True
@@ -165,8 +169,9 @@ def _np_eviction_error(k, v, probs, w, budget, block, rows):
 
 def _synthetic(seed, p=2, t=192, d=16, g=2):
     """Two KV heads with known winners. Head 0: attention goes to tokens whose keys share the query direction
-    and whose values are outliers (ValueDiff keeps them, KeyDiff evicts them as typical keys). Head 1: attention
-    goes to keys anti-aligned with the common key direction, with near-mean values (KeyDiff keeps them)."""
+    and whose values are outliers (ValueDiff keeps them, KeyDiff evicts them as typical keys). Head 1:
+    attention goes to keys anti-aligned with the common key direction, with near-mean
+    values (KeyDiff keeps them)."""
     rng = np.random.default_rng(seed)
     e0, e1 = np.eye(d)[0], np.eye(d)[1]
     imp0, imp1 = rng.random((p, t)) < 0.15, rng.random((p, t)) < 0.15
@@ -201,12 +206,13 @@ def test_simulation_keeps_what_the_pipeline_keeps_at_layer_0():
     cfg = tiny_config(num_layers=2)
     params = random_params(cfg, seed=7)
     ids = random_ids(64, cfg.vocab_size, seed=8)
-    from vdjax.hybrid import layer_data
+    from vdjax.analysis.hybrid import layer_data
 
     (_, _, k, v, _), = [x for x in layer_data(params, ids[None], 16, 2) if x[0] == 0]
     for w in (1.0, 0.0, 0.4):
         cache, _ = vdjax.prefill(params, ids, "hybrid", budget=12, block_size=16, mix=w)
-        kept = np.asarray(HY.kept_after(k, v, jnp.full((cfg.num_kv_heads,), w, jnp.float32), budget=12, block=16))
+        mix = jnp.full((cfg.num_kv_heads,), w, jnp.float32)
+        kept = np.asarray(HY.kept_after(k, v, mix, budget=12, block=16))
         for h in range(cfg.num_kv_heads):
             assert sorted(np.flatnonzero(kept[0, h]).tolist()) == sorted(
                 x for x in np.asarray(cache[0].pos[0, h]).tolist() if x >= 0), (w, h)
@@ -241,10 +247,11 @@ def test_fitted_weights_beat_the_better_endpoint_on_a_held_out_prompt():
 
 
 def test_select_keeps_the_lowest_answer_nll_and_its_endpoints_are_the_policies():
-    """`select` scores each mix by teacher-forced answer NLL under eviction; mix 1 / 0 give exactly ValueDiff's /
-    KeyDiff's NLL (the same kept tokens), and the winner is the argmin."""
+    """`select` scores each mix by teacher-forced answer NLL under eviction; mix 1 / 0 give exactly
+    ValueDiff's / KeyDiff's NLL (the same kept tokens), and the winner is the argmin."""
+    from vdjax.analysis.calibration import retrieval_probes
+
     from helpers import tiny_tokenizer
-    from vdjax.calibration import retrieval_probes
 
     tok = tiny_tokenizer(chat=False)
     params = random_params(tiny_config(vocab_size=len(tok)), seed=2)
@@ -256,8 +263,8 @@ def test_select_keeps_the_lowest_answer_nll_and_its_endpoints_are_the_policies()
     best, nll = HY.select(params, probes, cands, budget=48, block=32, layer_scan=False)
     assert best == min(cands, key=nll.get) and "dense" in nll
     for name in ("valuediff", "keydiff"):
-        lp = vdjax.continuation_logprobs(params, [list(p.ids) for p in probes], [list(p.answer) for p in probes],
-                                         name, 48, 32)
+        lp = vdjax.continuation_logprobs(params, [list(p.ids) for p in probes],
+                                         [list(p.answer) for p in probes], name, 48, 32)
         assert nll[name] == pytest.approx(-lp.mean(), rel=1e-6)
     assert len({round(v, 6) for v in nll.values()}) > 1  # the budget bites: the mixes differ
     with pytest.raises(ValueError, match="at least one candidate"):

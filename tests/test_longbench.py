@@ -1,4 +1,5 @@
-"""LongBench builder: official prompts (golden text), tables, middle truncation and the context/question split."""
+"""LongBench builder: official prompts (golden text), tables, middle truncation and the context/question
+split."""
 
 import hashlib
 import json
@@ -12,7 +13,8 @@ from vdjax.eval.sample import render_ids
 
 
 class WordTokenizer:
-    """Mimics an HF fast tokenizer: each word, punctuation mark and whitespace run is one token; id 0 = BOS."""
+    """Mimics an HF fast tokenizer: each word, punctuation mark and whitespace run is one token;
+    id 0 = BOS."""
 
     def __init__(self):
         self.pieces = ["<s>"]
@@ -73,17 +75,18 @@ def _official(tok, prompt, length):
     if len(ids) <= length:
         return prompt
     half = length // 2
-    return tok.decode(ids[:half], skip_special_tokens=True) + tok.decode(ids[-half:], skip_special_tokens=True)
+    return (tok.decode(ids[:half], skip_special_tokens=True)
+            + tok.decode(ids[-half:], skip_special_tokens=True))
 
 
 def _words(prefix, n):
     return " ".join(f"{prefix}{i}" for i in range(n))
 
 
-HOTPOT_HEAD = ("Answer the question based on the given passages. Only give me the answer and do not output any "
-               "other words.\n\nThe following are given passages.\n")
-HOTPOT_TAIL = ("\n\nAnswer the question based on the given passages. Only give me the answer and do not output any "
-               "other words.\n\nQuestion: {q}\nAnswer:")
+HOTPOT_HEAD = ("Answer the question based on the given passages. Only give me the answer and do not "
+               "output any other words.\n\nThe following are given passages.\n")
+HOTPOT_TAIL = ("\n\nAnswer the question based on the given passages. Only give me the answer and do not "
+               "output any other words.\n\nQuestion: {q}\nAnswer:")
 
 
 def test_tables():
@@ -98,7 +101,8 @@ def test_tables():
         "passage_retrieval_en": 32, "passage_retrieval_zh": 32, "lcc": 64, "repobench-p": 64,
     }
     # sha256 of the official config/dataset2prompt.json (json.dumps(sort_keys=True, ensure_ascii=False))
-    digest = hashlib.sha256(json.dumps(lb.DATASET2PROMPT, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+    digest = hashlib.sha256(
+        json.dumps(lb.DATASET2PROMPT, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
     assert digest == "e7d865d712fe45e2455f5e864ac474001d7758d68d349e76ffbcdd382483358f"
     for task in lb.TASKS:
         head, tail = lb.split_template(task)
@@ -109,37 +113,39 @@ def test_golden_prompts(tmp_path):
     tok = WordTokenizer()
     _write(tmp_path, "hotpotqa", [_row("hotpotqa", 0, "Passage 1: Paris is in France.", "Where is Paris?",
                                        ["France"])])
-    _write(tmp_path, "trec", [_row("trec", 0, "Question: What is a cat?\nType: Description", "Question: Who?\n"
-                                   "Type:", ["Human"], all_classes=["Human", "Description"])])
+    _write(tmp_path, "trec", [_row("trec", 0, "Question: What is a cat?\nType: Description",
+                                   "Question: Who?\nType:", ["Human"],
+                                   all_classes=["Human", "Description"])])
     _write(tmp_path, "gov_report", [_row("gov_report", 0, "The report body.", "", ["A summary."])])
-    _write(tmp_path, "multifieldqa_zh", [_row("multifieldqa_zh", 0, "北京是中国的首都。", "中国的首都是哪里？",
-                                              ["北京"], language="zh")])
+    _write(tmp_path, "multifieldqa_zh", [_row("multifieldqa_zh", 0, "北京是中国的首都。",
+                                              "中国的首都是哪里？", ["北京"], language="zh")])
 
     (s,) = lb.build("hotpotqa", tok, length=1000, num_samples=5, seed=3, data_dir=tmp_path)
     assert s.context == HOTPOT_HEAD + "Passage 1: Paris is in France."
     assert s.question == HOTPOT_TAIL.format(q="Where is Paris?")
-    assert (s.id, s.task, s.answers, s.max_new_tokens, s.metric) == ("hotpotqa-000", "hotpotqa", ("France",), 32,
-                                                                    "qa_f1")
+    assert (s.id, s.task, s.answers, s.max_new_tokens, s.metric) == (
+        "hotpotqa-000", "hotpotqa", ("France",), 32, "qa_f1")
     assert s.chat_template is True and s.answer_prefix == ""
     assert s.extra["language"] == "en" and s.extra["seed"] == 3 and s.extra["_id"] == "hotpotqa-000"
     assert s.extra["truncated"] is False and s.extra["split"] == "verbatim"
 
     (s,) = lb.build("trec", tok, length=1000, num_samples=1, data_dir=tmp_path)
-    assert s.context == ("Please determine the type of the question below. Here are some examples of questions."
-                         "\n\nQuestion: What is a cat?\nType: Description")
+    assert s.context == ("Please determine the type of the question below. Here are some examples of "
+                         "questions.\n\nQuestion: What is a cat?\nType: Description")
     assert s.question == "\nQuestion: Who?\nType:"
     assert s.chat_template is False and s.metric == "classification" and s.max_new_tokens == 64
     assert s.extra["all_classes"] == ["Human", "Description"]
 
     (s,) = lb.build("gov_report", tok, length=1000, num_samples=1, data_dir=tmp_path)
-    assert s.context == "You are given a report by a government agency. Write a one-page summary of the report." \
-                        "\n\nReport:\nThe report body."
+    assert s.context == ("You are given a report by a government agency. Write a one-page summary of the "
+                         "report.\n\nReport:\nThe report body.")
     assert s.question == "\n\nNow, write a one-page summary of the report.\n\nSummary:"
     assert (s.metric, s.max_new_tokens, s.chat_template) == ("rouge", 512, True)
 
     (s,) = lb.build("multifieldqa_zh", tok, length=1000, num_samples=1, data_dir=tmp_path)
     assert s.context == "阅读以下文字并用中文简短回答：\n\n北京是中国的首都。"
-    assert s.question == "\n\n现在请基于上面的文章回答下面的问题，只告诉我答案，不要输出任何其他字词。\n\n问题：中国的首都是哪里？\n回答："
+    assert s.question == ("\n\n现在请基于上面的文章回答下面的问题，只告诉我答案，不要输出任何其他字词。"
+                          "\n\n问题：中国的首都是哪里？\n回答：")
     assert (s.metric, s.max_new_tokens, s.extra["language"]) == ("qa_f1_zh", 64, "zh")
 
 

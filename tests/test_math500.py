@@ -1,12 +1,15 @@
-"""MATH-500 builder, \\boxed extraction, the paper's budgets, the prm800k grader, k-draw metrics and summary."""
+"""MATH-500 builder, \\boxed extraction, the paper's budgets, the prm800k grader, k-draw metrics and
+summary."""
 
 import csv
 import json
 import time
 
 import pytest
+
 from vdjax.eval import grader, math500, report
-from vdjax.eval.grader import exact_match, grade_answer, latex_to_text, normalize, should_allow_eval
+from vdjax.eval.grader import exact_match, grade_answer, normalize, should_allow_eval
+from vdjax.eval.latex import latex_to_text
 from vdjax.eval.math500 import build, extract_boxed, fraction_budgets
 from vdjax.eval.metrics import METRICS, math_at_k, math_draw, score
 
@@ -15,8 +18,8 @@ INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\
 ROWS = [
     {"problem": "What is $1+1$?", "solution": "$1+1=\\boxed{2}$.", "answer": "2", "subject": "Prealgebra",
      "level": 1, "unique_id": "test/prealgebra/1.json"},
-    {"problem": "Compute $\\frac{2}{4}$.", "solution": "It is $\\boxed{\\frac{1}{2}}$.", "answer": "\\frac{1}{2}",
-     "subject": "Algebra", "level": 2, "unique_id": "test/algebra/2.json"},
+    {"problem": "Compute $\\frac{2}{4}$.", "solution": "It is $\\boxed{\\frac{1}{2}}$.",
+     "answer": "\\frac{1}{2}", "subject": "Algebra", "level": 2, "unique_id": "test/algebra/2.json"},
     {"problem": "Solve $x^2=9$, $x>0$.", "solution": "$x=\\boxed{3}$", "answer": "3", "subject": "Algebra",
      "level": 3, "unique_id": "test/algebra/3.json"},
 ]
@@ -210,7 +213,8 @@ def test_grade_answer(given, truth, expected):
 @pytest.mark.parametrize("given, truth, expected", [
     ("\\dfrac{1}{2}", "\\frac{1}{2}", True), ("0.5", "\\frac{1}{2}", True), ("x = 3", "3", True),
     ("(1, 2)", "(1,2)", True), ("90", "90^\\circ", True),
-    ("3.0", "3", False), ("1,000", "1000", False), ("2x+1", "1+2x", False), ("evelyn", "\\text{Evelyn}", False),
+    ("3.0", "3", False), ("1,000", "1000", False), ("2x+1", "1+2x", False),
+    ("evelyn", "\\text{Evelyn}", False),
     ("\\sqrt{2}/2", "\\frac{\\sqrt{2}}{2}", False), (None, "1", False),
 ])
 def test_exact_match_is_normalised_string_equality(given, truth, expected):
@@ -287,7 +291,8 @@ def test_math_draw_and_at_k():
 
 def _line(sid, answer, draw, policy, budget, prediction, score, new_tokens, truncated):
     return {"benchmark": "math500", "task": "math500", "sample_id": sid, "draw": draw, "model": "tiny",
-            "length": 512, "seed": 0, "protocol": "paper", "sampling": {"temperature": 0.6, "top_k": 0, "top_p": 0.95},
+            "length": 512, "seed": 0, "protocol": "paper",
+            "sampling": {"temperature": 0.6, "top_k": 0, "top_p": 0.95},
             "policy": policy, "budget": budget, "budget_fraction": None if budget is None else 0.25,
             "block_size": 128, "hyper": {}, "prediction": prediction, "answers": [answer], "score": score,
             "metric": "grade_answer", "new_tokens": new_tokens, "truncated": truncated}
@@ -335,13 +340,16 @@ def test_summary_math500_table_k3(tmp_path):
     assert v.fraction == 0.25
 
     md = s.md_path.read_text()
-    assert "| model | policy | budget | problems | k | flex@k | exact@k | pass@k | math_equiv@k | avg tokens |" in md
+    assert ("| model | policy | budget | problems | k | flex@k | exact@k | pass@k | math_equiv@k | "
+            "avg tokens |") in md
     assert "| tiny | dense | — | 2 | 3 | 0.667 | 0.667 | 1.000 | 0.833 | 110 | 16.7 | 16.7 | — |" in md
-    assert "| tiny | valuediff | 25% (N=64) | 2 | 3 | 0.333 | 0.167 | 1.000 | 0.333 | 50 | 16.7 | 0.0 | 50.0% |" in md
+    assert ("| tiny | valuediff | 25% (N=64) | 2 | 3 | 0.333 | 0.167 | 1.000 | 0.333 | 50 | 16.7 | "
+            "0.0 | 50.0% |") in md
     assert "| tiny | 25% (N=64) | 66.7 | **33.3** (50.0%) |" in md  # the main table: mean score = flex@k
     with open(s.math_csv_path) as f:
         table = {(r["policy"], r["budget"]): r for r in csv.DictReader(f)}
-    assert table["valuediff", "64"]["exact_at_k"] == "0.1667" and table["valuediff", "64"]["retention_flex"] == "50.0000"
+    assert (table["valuediff", "64"]["exact_at_k"] == "0.1667"
+            and table["valuediff", "64"]["retention_flex"] == "50.0000")
     assert table["dense", ""]["k_min"] == table["dense", ""]["k_max"] == "3"
     assert len(report.rich_tables(s)) == 2  # the overall table and the MATH-500 one
 

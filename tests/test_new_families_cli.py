@@ -8,9 +8,10 @@ import pytest
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
+from vdjax.app.cli import main  # noqa: E402
+from vdjax.text.prompt import render_chat  # noqa: E402
+
 from helpers import tiny_tokenizer  # noqa: E402
-from vdjax.cli import main  # noqa: E402
-from vdjax.prompt import render_chat  # noqa: E402
 
 # the harmony template's shape: a system message carrying "Reasoning: <effort>" (default medium)
 HARMONY = (
@@ -22,16 +23,17 @@ HARMONY = (
 
 
 def _hf_config(family, vocab, tok):
-    ids = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None, vocab_size=vocab,
-               max_position_embeddings=4096)
+    ids = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
+               vocab_size=vocab, max_position_embeddings=4096)
     if family == "qwen3_5":
         return transformers.Qwen3_5ForCausalLM, transformers.Qwen3_5TextConfig(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-            linear_value_head_dim=8, tie_word_embeddings=True, **ids)
+            hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=8, linear_value_head_dim=8, tie_word_embeddings=True, **ids)
     return transformers.GptOssForCausalLM, transformers.GptOssConfig(
-        hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=16, **ids)
+        hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
+        **ids)
 
 
 @pytest.fixture(scope="module", params=["qwen3_5", "gpt_oss"])
@@ -55,16 +57,17 @@ def _cache(tmp_path, monkeypatch):
 
 def test_generate(checkpoint, capsys):
     _, path = checkpoint
-    rc = main(["generate", "--model", str(path), "--policy", "valuediff", "--budget", "16", "--block-size", "8",
-               "--max-new-tokens", "4", "--prompt", "The grass is green. The sky is blue. " * 4])
+    rc = main(["generate", "--model", str(path), "--policy", "valuediff", "--budget", "16",
+               "--block-size", "8", "--max-new-tokens", "4",
+               "--prompt", "The grass is green. The sky is blue. " * 4])
     out = capsys.readouterr().out
     assert rc == 0 and "budget N            16" in out and "valid slots/head    min " in out
 
 
 def test_analyze(checkpoint, tmp_path, capsys):
     family, path = checkpoint
-    rc = main(["analyze", "--model", str(path), "--out", str(tmp_path), "--length", "96", "--per-category", "1",
-               "--topk", "8", "--n-queries", "6", "--jaccard-prompts", "1"])
+    rc = main(["analyze", "--model", str(path), "--out", str(tmp_path), "--length", "96",
+               "--per-category", "1", "--topk", "8", "--n-queries", "6", "--jaccard-prompts", "1"])
     assert rc == 0, capsys.readouterr().err
     summary = (tmp_path / path.name / "summary.md").read_text()
     geo = json.loads((tmp_path / path.name / "geometry.json").read_text())
@@ -78,9 +81,9 @@ def test_analyze(checkpoint, tmp_path, capsys):
 
 def test_eval_ruler_with_reasoning_effort(checkpoint, tmp_path, capsys):
     family, path = checkpoint
-    args = ["eval", "ruler", "--model", str(path), "--tasks", "niah_single_1", "--length", "512", "--samples", "1",
-            "--policies", "dense,valuediff", "--budgets", "64", "--block-size", "32", "--batch-size", "1",
-            "--out", str(tmp_path)]
+    args = ["eval", "ruler", "--model", str(path), "--tasks", "niah_single_1", "--length", "512",
+            "--samples", "1", "--policies", "dense,valuediff", "--budgets", "64", "--block-size", "32",
+            "--batch-size", "1", "--out", str(tmp_path)]
     if family == "gpt_oss":
         args += ["--reasoning-effort", "high"]
     assert main(args) == 0, capsys.readouterr().err

@@ -1,9 +1,10 @@
-"""Dense logits equal HF transformers (torch, fp32, eager attention): tiny random Llamas and the real SmolLM2."""
+"""Dense logits equal HF transformers (torch, fp32, eager attention): tiny random
+Llamas and the real SmolLM2."""
 
 import chex
+import jax.numpy as jnp
 import numpy as np
 import pytest
-import jax.numpy as jnp
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

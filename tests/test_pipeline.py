@@ -1,6 +1,8 @@
 """Block prefill + decode eviction: no-op at full budget, the design invariants (exactly min(N, seen) valid
 slots, unique positions), batching, compile reuse, errors."""
 
+import threading
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -8,11 +10,11 @@ import numpy as np
 import pytest
 
 import vdjax
-from vdjax import pipeline
+from vdjax.engine import api, compiler, evict, forms, inputs, placement, programs
+from vdjax.engine.timing import count_compiles
 from vdjax.models import transformer as tf
 
 from helpers import layer0_kv, random_ids, random_params, tiny_config
-from vdjax.compilation import count_compiles
 
 POLICY_NAMES = [n for n in vdjax.POLICIES if n != "dense"]
 KW = {"hybrid": {"mix": 0.5}}  # keywords a policy needs on a model without saved weights
@@ -67,10 +69,10 @@ def _check_slots(pos: np.ndarray, seen: np.ndarray, budget: int):
     """pos [L, B, K, N]: exactly min(N, seen[b]) valid unique positions per head, all < seen."""
     chex.assert_rank(pos, 4)
     chex.assert_axis_dimension(pos, 1, len(seen))
-    for l, b, h in np.ndindex(pos.shape[:3]):
-        p = pos[l, b, h]
+    for layer, b, h in np.ndindex(pos.shape[:3]):
+        p = pos[layer, b, h]
         valid = p[p >= 0]
-        assert len(valid) == min(budget, seen[b]), (l, b, h, len(valid))
+        assert len(valid) == min(budget, seen[b]), (layer, b, h, len(valid))
         assert len(set(valid.tolist())) == len(valid)
         assert valid.max() < seen[b]
 
@@ -105,9 +107,10 @@ def test_rows_evict_independently(model):
     for r, ids in enumerate(rows):
         alone = vdjax.run(model, ids, policy="valuediff", budget=10, block_size=8, max_new_tokens=6)
         np.testing.assert_array_equal(alone.tokens[0], batch.tokens[r])
-        for l in range(model.config.num_layers):
+        for layer in range(model.config.num_layers):
             for h in range(model.config.num_kv_heads):
-                assert sorted(np.asarray(alone.cache.pos)[l, 0, h]) == sorted(np.asarray(batch.cache.pos)[l, r, h])
+                together = np.asarray(batch.cache.pos)[layer, r, h]
+                assert sorted(np.asarray(alone.cache.pos)[layer, 0, h]) == sorted(together)
 
 
 @pytest.mark.parametrize("name,sign", [("keynorm", -1.0), ("valuediff_norm", 1.0)])
@@ -141,19 +144,22 @@ def test_jit_and_eager_agree(model, prompts):
 def test_same_bucket_compiles_nothing_new(model):
     vocab = model.config.vocab_size
     with count_compiles() as first:
-        vdjax.prefill(model, random_ids(100, vocab, 1), policy="keydiff", budget=16, block_size=16)  # 7 -> 8 blocks
+        vdjax.prefill(model, random_ids(100, vocab, 1), policy="keydiff", budget=16,
+                      block_size=16)  # 7 -> 8 blocks
     with count_compiles() as again:
-        vdjax.prefill(model, random_ids(120, vocab, 2), policy="keydiff", budget=16, block_size=16)  # 8 blocks
+        vdjax.prefill(model, random_ids(120, vocab, 2), policy="keydiff", budget=16,
+                      block_size=16)  # 8 blocks
         vdjax.prefill(model, random_ids(113, vocab, 3), policy="keydiff", budget=16, block_size=16)
     assert first.value >= 1 and again.value == 0
-    program = pipeline.compile_prefill(model, random_ids(200, vocab, 4), "keydiff", 16, 16)  # 13 -> 16 blocks
+    program = api.compile_prefill(model, random_ids(200, vocab, 4), "keydiff", 16, 16)  # 13 -> 16 blocks
     assert program.plan.tokens.shape[1] == 16 * 16
     with count_compiles() as after_warm:
-        cache, logits = vdjax.prefill(model, random_ids(250, vocab, 5), policy="keydiff", budget=16, block_size=16)
+        cache, logits = vdjax.prefill(model, random_ids(250, vocab, 5), policy="keydiff", budget=16,
+                                      block_size=16)
     assert after_warm.value == 0  # compile_prefill warmed the 16-block program
     np.testing.assert_array_equal(np.asarray(program()[1]), np.asarray(
         vdjax.prefill(model, random_ids(200, vocab, 4), policy="keydiff", budget=16, block_size=16)[1]))
-    assert [pipeline.bucket(n) for n in (1, 2, 3, 4, 5, 7, 9, 13, 17, 25)] == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
+    assert [inputs.bucket(n) for n in (1, 2, 3, 4, 5, 7, 9, 13, 17, 25)] == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
 
 
 def _started(thread):
@@ -166,14 +172,16 @@ def test_compile_behind_compiles_once_for_the_later_call(model, prompts, monkeyp
     compiles as many programs with the thread as without it, and gives the same tokens."""
     f = jax.jit(lambda a, *, k: a * k, static_argnames="k")
     x = jnp.arange(3.0)
-    seen = len(pipeline._BEHIND)
-    pipeline.compile_behind(f, (x,), {"k": 2}).join()
+    behind = compiler.BackgroundCompiler()
+    behind.submit(f, (x,), {"k": 2}).join()
     with count_compiles() as n:
         np.testing.assert_array_equal(np.asarray(f(x, k=2)), [0.0, 2.0, 4.0])
-    assert n.value == 0 and len(pipeline._BEHIND) == seen + 1
-    pipeline.compile_behind(f, (x,), {"k": 2}).join()  # seen before: nothing to do
-    assert len(pipeline._BEHIND) == seen + 1
-    pipeline.compile_behind(f, ("not an array",), {"k": 2}).join()  # fails in the thread, silently
+    assert n.value == 0 and len(behind.compiled) == 1
+    behind.submit(f, (x,), {"k": 2})  # seen before: nothing to do
+    behind.join()
+    assert len(behind.compiled) == 1 and not any(t.is_alive() for t in behind.threads)
+    behind.submit(f, ("not an array",), {"k": 2}).join()  # fails in the thread, silently
+    assert len(behind.compiled) == 1
     with pytest.raises(TypeError):
         f("not an array", k=2)  # ... and the call itself raises
 
@@ -184,7 +192,7 @@ def test_compile_behind_compiles_once_for_the_later_call(model, prompts, monkeyp
 
     counted(17)  # the small programs every first run compiles (key, staging) out of the way
     with_thread = counted(19)
-    monkeypatch.setattr(pipeline, "compile_behind", lambda *a: _started(pipeline.threading.Thread()))
+    monkeypatch.setattr(compiler.BACKGROUND, "submit", lambda *a: _started(threading.Thread()))
     without = counted(18)
     assert with_thread[0] == without[0] >= 2
     monkeypatch.undo()
@@ -217,7 +225,8 @@ def test_sampling_is_keyed(model, prompts):
         (dict(policy="bogus", budget=8), ValueError, "unknown policy 'bogus'"),
         (dict(policy="valuediff", budget=0), ValueError, "budget must be an integer >= 1, got 0"),
         (dict(policy="valuediff", budget=None), ValueError, "needs budget"),
-        (dict(policy="valuediff", budget=8, block_size=0), ValueError, "block_size must be an integer >= 1, got 0"),
+        (dict(policy="valuediff", budget=8, block_size=0), ValueError,
+         "block_size must be an integer >= 1, got 0"),
         (dict(policy="valuediff", budget=8, max_new_tokens=0), ValueError, "max_new_tokens must be"),
         (dict(policy="valuediff", budget=8, n_sink=2), TypeError, "unknown keyword"),
         (dict(policy="valuediff", budget=8, temperature=1.0), ValueError, "explicit key"),
@@ -256,7 +265,7 @@ def test_question_agnostic_protocol(model):
         np.testing.assert_array_equal(out.tokens, dense, err_msg=name)
     out = vdjax.run(model, [ids, ids[:50]], "valuediff", budget=20, block_size=16, max_new_tokens=3,
                     eos_token_id=[], question=[q, q[::-1]])
-    assert out.budget == 20 + pipeline.QUESTION_PAD
+    assert out.budget == 20 and set(out.slots) == {20 + inputs.QUESTION_PAD}
     for lc in out.cache.layers:
         pos = np.asarray(lc.pos)
         for row, t in ((0, 70), (1, 50)):
@@ -274,7 +283,8 @@ def test_bad_question(model, question, match):
 
 
 def test_min_new_tokens_masks_eos(model, prompts, dense_tokens):
-    """EOS = the dense first token: it stops at once, unless min_new_tokens forbids EOS for the first tokens."""
+    """EOS = the dense first token: it stops at once, unless min_new_tokens
+    forbids EOS for the first tokens."""
     first = int(dense_tokens[0, 0])
     out = vdjax.run(model, prompts[0], "valuediff", budget=T + NEW, max_new_tokens=NEW, eos_token_id=[first])
     assert out.tokens.tolist() == [[first]]
@@ -286,13 +296,16 @@ def test_min_new_tokens_masks_eos(model, prompts, dense_tokens):
 
 
 def test_continuation_logprobs_dense_are_the_plain_forward(model, prompts):
-    """Dense teacher forcing: log-softmax of a plain forward over prompt + continuation, position by position."""
+    """Dense teacher forcing: log-softmax of a plain forward over prompt +
+    continuation, position by position."""
     cont = random_ids(6, model.config.vocab_size, 7)
     ids = prompts[0][None]
     got = vdjax.continuation_logprobs(model, ids, list(cont), "dense", block_size=16)
     full = np.concatenate([ids[0], cont])[None]
     logits = np.asarray(tf.forward(model, jnp.asarray(full)), np.float64)[0, len(ids[0]) - 1 : -1]  # [C, V]
-    ref = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+    ref = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1,
+                                                                             keepdims=True)) - logits.max(-1,
+                                                                                                          keepdims=True)
     np.testing.assert_allclose(got[0], ref[np.arange(6), cont], rtol=1e-5, atol=1e-5)
 
 
@@ -305,7 +318,8 @@ def test_continuation_logprobs_follow_decode_eviction(model, prompts, name):
     v = model.config.vocab_size
     conts = np.tile(greedy[: j + 1], (v, 1))
     conts[:, j] = np.arange(v)  # row t: the greedy prefix, then token t at step j
-    lp = vdjax.continuation_logprobs(model, np.tile(prompts[0], (v, 1)), [list(r) for r in conts], name, budget,
+    lp = vdjax.continuation_logprobs(model, np.tile(prompts[0], (v, 1)), [list(r) for r in conts], name,
+                                     budget,
                                      block_size=8)
     np.testing.assert_allclose(np.exp(lp[:, j].astype(np.float64)).sum(), 1.0, rtol=1e-4)
     assert int(np.argmax(lp[:, j])) == int(greedy[j])
@@ -319,24 +333,25 @@ def test_causal_fill_before_the_first_eviction_equals_the_block_path(name, slidi
     in the same slots, the same values and logits as block by block (ragged rows; a sliding layer shrinks the
     fill to its W - 1 slots); a policy that accumulates attention never takes it. Tokens do not repeat here:
     a repeated token's layer-0 value ties exactly, and at these tiny shapes XLA's one [2 x 64]-row projection
-    and its [2 x 16]-row ones round differently (on SmolLM2's shapes they agree to the bit, so do the kept sets)."""
+    and its [2 x 16]-row ones round differently (on SmolLM2's shapes they agree to
+    the bit, so do the kept sets)."""
     cfg = tiny_config(num_layers=3, vocab_size=400, **(
         {"layer_types": ("sliding_attention", "full_attention", "sliding_attention"), "sliding_window": 60}
         if sliding else {}))
     params = random_params(cfg, seed=5)
     order = np.random.RandomState(1).permutation(cfg.vocab_size).astype(np.int32)
     ids = [order[:150], order[200:270]]
-    policy = vdjax.get_policy(name)
-    per_layer = pipeline.layer_slots(cfg, 64, dense=False)
-    fill = pipeline.fill_tokens(cfg, policy, per_layer, 16, 160)
+    policy = vdjax.bind(name, params, 64)
+    per_layer = evict.cache_rule(policy).layer_slots(cfg, 64)
+    fill = evict.fill_tokens(cfg, policy, per_layer, 16, 160)
     assert fill == (0 if name == "h2o" else 48 if sliding else 64)  # W - 1 = 59 slots: 3 whole blocks
-    assert pipeline.fill_tokens(cfg, policy, per_layer, 16, 32) == (0 if name == "h2o" else 32)
-    new = pipeline.prefill(params, ids, name, budget=64, block_size=16, layer_scan=False)
-    monkeypatch.setattr(pipeline, "fill_tokens", lambda *a: 0)
-    pipeline._prefill.clear_cache()
-    old = pipeline.prefill(params, ids, name, budget=64, block_size=16, layer_scan=False)
-    pipeline._prefill.clear_cache()
-    for a, b in zip(new[0].layers, old[0].layers):
+    assert evict.fill_tokens(cfg, policy, per_layer, 16, 32) == (0 if name == "h2o" else 32)
+    new = api.prefill(params, ids, name, budget=64, block_size=16, layer_scan=False)
+    monkeypatch.setattr(programs, "fill_tokens", lambda *a: 0)
+    programs.prefill_program.clear_cache()
+    old = api.prefill(params, ids, name, budget=64, block_size=16, layer_scan=False)
+    programs.prefill_program.clear_cache()
+    for a, b in zip(new[0].layers, old[0].layers, strict=True):
         np.testing.assert_array_equal(a.pos, b.pos)
         np.testing.assert_allclose(a.k, b.k, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(a.v, b.v, rtol=1e-5, atol=1e-5)
@@ -359,8 +374,10 @@ def test_one_token_attention_equals_numpy(sinks, window, softcap):
                    np.int32)  # [B, K, N]; 9 is in row 1's future
     q_pos = np.array([[6], [5]], np.int32)
     sink = rng.randn(nq).astype(np.float32) if sinks else None
-    out, probs = tf.attend(jnp.asarray(q), jnp.asarray(q_pos), jnp.asarray(kc), jnp.asarray(vc), jnp.asarray(pos),
-                           jnp.asarray(kn), jnp.asarray(vn), cfg, window, None if sink is None else jnp.asarray(sink))
+    out, probs = tf.attend(jnp.asarray(q), jnp.asarray(q_pos), jnp.asarray(kc), jnp.asarray(vc),
+                           jnp.asarray(pos),
+                           jnp.asarray(kn), jnp.asarray(vn), cfg, window,
+                           None if sink is None else jnp.asarray(sink))
     kall, vall = np.concatenate([kc, kn], 2), np.concatenate([vc, vn], 2)  # [B, K, C, D]
     pall = np.concatenate([pos, np.broadcast_to(q_pos[:, None, :], (b, kh, 1))], 2)  # [B, K, C]
     want = np.zeros((b, 1, nq, d))
@@ -382,7 +399,8 @@ def test_one_token_attention_equals_numpy(sinks, window, softcap):
     # the block path (S = 2, einsum) gives the first query the same output
     q2, qp2 = np.concatenate([q, q], 1), np.concatenate([q_pos, q_pos + 1], 1)
     out2, _ = tf.attend(jnp.asarray(q2), jnp.asarray(qp2), jnp.asarray(kc), jnp.asarray(vc), jnp.asarray(pos),
-                        jnp.asarray(np.concatenate([kn, kn], 2)), jnp.asarray(np.concatenate([vn, vn], 2)), cfg,
+                        jnp.asarray(np.concatenate([kn, kn], 2)), jnp.asarray(np.concatenate([vn, vn], 2)),
+                        cfg,
                         window, None if sink is None else jnp.asarray(sink))
     np.testing.assert_allclose(np.asarray(out2)[:, :1], want, rtol=1e-5, atol=1e-6)
 
@@ -404,7 +422,8 @@ def test_causal_attention_equals_numpy(sinks, window, softcap, pre):
     pads = [0, 9, 14]  # row 1 and 2: padding spans whole chunks and ends inside one
     pos = np.stack([np.concatenate([-np.ones(p), np.arange(t - p)]) for p in pads]).astype(np.int32)
     sink = rng.randn(nq).astype(np.float32) if sinks else None
-    out = np.asarray(tf.causal_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(pos), cfg,
+    out = np.asarray(tf.causal_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(pos),
+                                         cfg,
                                          window, chunk, None if sink is None else jnp.asarray(sink)))
     want = np.zeros((b, t, nq, d))
     for r in range(b):
@@ -433,70 +452,77 @@ PATTERNS = {  # layer types of one period
 
 
 @pytest.mark.parametrize("name,budget,pattern", [
-    ("dense", None, "llama"), ("dense", None, "alternating"), ("dense", None, "gemma3"), ("valuediff", 64, "llama"),
-    ("snapkv", 64, "alternating"), ("h2o", 64, "alternating"), ("valuediff", 64, "gemma3"), ("h2o", 64, "gemma3")])
+    ("dense", None, "llama"), ("dense", None, "alternating"), ("dense", None, "gemma3"), ("valuediff", 64,
+                                                                                          "llama"),
+    ("snapkv", 64, "alternating"), ("h2o", 64, "alternating"), ("valuediff", 64, "gemma3"), ("h2o", 64,
+                                                                                             "gemma3")])
 def test_layer_scan_equals_unrolled_layers(name, budget, pattern):
     """`layer_scan=True` (the GPU/TPU default: the layers as a scan over groups of `layer_period` layers, in
     the causal pass, the block loop and decode) keeps the same positions and generates the same tokens as the
-    unrolled layers, values and logits to rounding; with a sliding : full pattern the group is two layers, with
-    Gemma3's (here 2 sliding : 1 full) three."""
+    unrolled layers, values and logits to rounding; with a sliding : full pattern the group is two layers,
+    with Gemma3's (here 2 sliding : 1 full) three."""
     types = PATTERNS[pattern]
     cfg = tiny_config(num_layers=2 * max(1, len(types)), vocab_size=400,
                       **({"layer_types": types * 2, "sliding_window": 40} if types else {}))
-    assert pipeline.layer_period(cfg) == max(1, len(types))
+    assert forms.layer_period(cfg) == max(1, len(types))
     params = random_params(cfg, seed=3)
     order = np.random.RandomState(2).permutation(cfg.vocab_size).astype(np.int32)
     ids = [order[:150], order[200:290]]  # ragged rows (150 and 90 tokens), both past N = 64
     runs = [vdjax.run(params, ids, name, budget, block_size=16, max_new_tokens=12, eos_token_id=[],
                       layer_scan=scan) for scan in (False, True)]
     np.testing.assert_array_equal(runs[0].tokens, runs[1].tokens)
-    for a, b in zip(runs[0].cache.layers, runs[1].cache.layers):
+    for a, b in zip(runs[0].cache.layers, runs[1].cache.layers, strict=True):
         np.testing.assert_array_equal(a.pos, b.pos)
         np.testing.assert_allclose(a.k, b.k, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(a.v, b.v, rtol=1e-5, atol=1e-5)
-    pre = [pipeline.prefill(params, ids, name, budget=budget, block_size=16, layer_scan=scan) for scan in (False, True)]
+    pre = [api.prefill(params, ids, name, budget=budget, block_size=16, layer_scan=scan) for scan in (False,
+                                                                                                      True)]
     np.testing.assert_allclose(pre[0][1], pre[1][1], rtol=1e-4, atol=1e-4)
 
 
 def test_scan_form_stacks_once_and_is_what_scanned_programs_read(monkeypatch):
-    """`pipeline.scan_form`: the layers stacked over groups of `layer_period` (leaf [L / p, ...] equal to layers
+    """`forms.scan_form`: the layers stacked over groups of `layer_period` (leaf [L / p, ...] equal to layers
     j, j + p, ...), made once per params object (the same object back), read by the scanned programs (same
     tokens as unrolled plain params) and refused, with the argument named, by unrolled ones."""
     cfg = tiny_config(num_layers=4, vocab_size=400, layer_types=("sliding_attention", "full_attention") * 2,
                       sliding_window=40)
     params = random_params(cfg, seed=5)
-    sf = pipeline.scan_form(params)
-    assert pipeline.scan_form(params) is sf and "layers" not in sf.weights and len(sf.weights["layer_groups"]) == 2
+    sf = forms.scan_form(params)
+    assert forms.scan_form(params) is sf and "layers" not in sf.weights
+    assert len(sf.weights["layer_groups"]) == 2
     for j in range(2):
         for name, leaf in sf.weights["layer_groups"][j].items():
             want = np.stack([np.asarray(params.weights["layers"][i][name]) for i in (j, j + 2)])
             np.testing.assert_array_equal(np.asarray(leaf), want)
     ids = np.random.RandomState(4).randint(0, cfg.vocab_size, 120).astype(np.int32)
     plain = vdjax.generate(params, ids, "valuediff", 48, 16, 8, eos_token_id=[], layer_scan=False)
-    np.testing.assert_array_equal(vdjax.generate(sf, ids, "valuediff", 48, 16, 8, eos_token_id=[], layer_scan=True),
+    np.testing.assert_array_equal(vdjax.generate(sf, ids, "valuediff", 48, 16, 8, eos_token_id=[],
+                                                 layer_scan=True),
                                   plain)
     with pytest.raises(ValueError, match="layer_scan=True"):
         vdjax.generate(sf, ids, "valuediff", 48, 16, 8, eos_token_id=[], layer_scan=False)
-    monkeypatch.setattr(pipeline, "shard_params", None)  # refused before the mesh shards anything
+    monkeypatch.setattr(placement, "shard_params", None)  # refused before the mesh shards anything
     with pytest.raises(ValueError, match="layer_scan=True"):
         vdjax.generate(sf, ids, "valuediff", 48, 16, 8, eos_token_id=[], layer_scan=False,
-                       mesh=vdjax.sharding.make_mesh(data=1, model=1))
+                       mesh=vdjax.engine.sharding.make_mesh(data=1, model=1))
 
 
 QWEN3_5_TINY = dict(family="qwen3_5", vocab_size=400, hidden_size=32, intermediate_size=64, num_layers=4,
                     num_heads=4, num_kv_heads=2, head_dim=8, norm_offset=1.0, qk_norm=True, attn_gate=True,
-                    rotary_dim=4, layer_types=("linear_attention", "full_attention") * 2, linear_num_key_heads=2,
-                    linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel=4,
+                    rotary_dim=4, layer_types=("linear_attention", "full_attention") * 2,
+                    linear_num_key_heads=2,
+                    linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                    linear_conv_kernel=4,
                     eos_token_ids=(), max_position_embeddings=4096)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_5", "qwen3_5_runs"])
 def test_layer_scan_question_and_continuation(family):
-    """The scanned programs pass the cache on stacked over layer groups (`pipeline.unstack` splits it at the
+    """The scanned programs pass the cache on stacked over layer groups (`forms.unstack` splits it at the
     end): the question-agnostic protocol (the stacked cache grown by the question's slots) and teacher-forced
     continuation log-probabilities equal the unrolled layers', on Llama and on Qwen3.5's Gated DeltaNet :
-    gated-attention pattern (recurrent states in the stacked carry; also with 2 DeltaNet layers a period, as
-    Qwen3.5's 3)."""
+    gated-attention pattern (recurrent states in the stacked carry; also with 2 DeltaNet
+    layers a period, as Qwen3.5's 3)."""
     from vdjax.models.config import ModelConfig
 
     runs = {"layer_types": (("linear_attention",) * 2 + ("full_attention",)) * 2, "num_layers": 6}
@@ -508,13 +534,16 @@ def test_layer_scan_question_and_continuation(family):
     runs = [vdjax.run(params, ids, "valuediff", 48, block_size=16, max_new_tokens=10, eos_token_id=[],
                       question=question, layer_scan=scan) for scan in (False, True)]
     np.testing.assert_array_equal(runs[0].tokens, runs[1].tokens)
-    assert len(runs[1].cache.layers) == cfg.num_layers and runs[0].budget == runs[1].budget == 48 + 32
-    for a, b in zip(runs[0].cache.layers, runs[1].cache.layers):
+    assert len(runs[1].cache.layers) == cfg.num_layers and runs[0].budget == runs[1].budget == 48
+    slots = tuple(48 + 32 if cfg.attends(i) else 0 for i in range(cfg.num_layers))
+    assert runs[0].slots == runs[1].slots == slots
+    for a, b in zip(runs[0].cache.layers, runs[1].cache.layers, strict=True):
         assert type(a) is type(b)
-        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
             assert x.shape == y.shape
-            np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=1e-4, atol=1e-4)
-    lp = [pipeline.continuation_logprobs(params, ids, cont, "keydiff", 48, 16, layer_scan=scan)
+            np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=1e-4,
+                                       atol=1e-4)
+    lp = [api.continuation_logprobs(params, ids, cont, "keydiff", 48, 16, layer_scan=scan)
           for scan in (False, True)]
     np.testing.assert_allclose(lp[0], lp[1], rtol=1e-4, atol=1e-4)
     assert lp[0].shape == (2, len(cont)) and np.all(lp[0] < 0)

@@ -3,14 +3,14 @@
 import dataclasses
 
 import chex
-import numpy as np
-import pytest
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 import vdjax
-from vdjax import cache as vc
-from vdjax import policies as P
+from vdjax.engine import cache as vc
+from vdjax.engine import policies as P
 
 B, K, G, S, N, D = 2, 3, 2, 5, 11, 8
 C = N + S
@@ -48,7 +48,7 @@ def _ref_scores(name, k, v, pos, probs, q_pos, acc, budget, **kw):
             ku = kk / np.linalg.norm(kk, axis=1, keepdims=True)
             anchor = ku[val].mean(0)
             cos = lambda x, a: x @ a / (np.linalg.norm(x, axis=1) * np.linalg.norm(a))  # noqa: E731
-            recent = lambda w: pos[b, h] > last_pos - w  # noqa: E731
+            recent = lambda w, b=b, h=h, last_pos=last_pos: pos[b, h] > last_pos - w  # noqa: E731
             if name == "valuediff":
                 s = np.linalg.norm(vv - vbar, axis=1)
             elif name == "valuediff_dir":
@@ -73,7 +73,7 @@ def _ref_scores(name, k, v, pos, probs, q_pos, acc, budget, **kw):
             elif name == "hybrid":  # per-head weights of layer 0: z-scored mix, exact scores at w = 1 / 0
                 w = kw["mix"][0][h]
                 vd, kd = np.linalg.norm(vv - vbar, axis=1), -cos(kk, anchor)
-                z = lambda x: (x - x[val].mean()) / np.sqrt(x[val].var() + 1e-12)  # noqa: E731
+                z = lambda x, val=val: (x - x[val].mean()) / np.sqrt(x[val].var() + 1e-12)  # noqa: E731
                 s = vd if w == 1 else kd if w == 0 else w * z(vd) + (1 - w) * z(kd)
             elif name == "snapkv":
                 w = kw.get("window", 32)
@@ -120,7 +120,8 @@ def test_snapkv_avg_pooling_matches_numpy_and_binds_its_kernel():
     mx = np.asarray(pol(k, v, attn, jnp.asarray(pos), slots=N, window=3))
     assert not np.allclose(mx[valid & np.isfinite(mx)], got[valid & np.isfinite(mx)])
     assert dict(pol.bind_hyper(None, pol.hyper())) == {"kernel": 7, "pooling": "max", "window": 32}
-    assert dict(pol.bind_hyper(None, pol.hyper(pooling="avg"))) == {"kernel": 5, "pooling": "avg", "window": 32}
+    avg = {"kernel": 5, "pooling": "avg", "window": 32}
+    assert dict(pol.bind_hyper(None, pol.hyper(pooling="avg"))) == avg
     assert dict(pol.bind_hyper(None, pol.hyper(pooling="avg", kernel=9)))["kernel"] == 9
     with pytest.raises(ValueError, match="pooling must be one of \\['avg', 'max'\\], got 'mean'"):
         pol.bind_hyper(None, pol.hyper(pooling="mean"))
@@ -187,8 +188,10 @@ def test_topk_gather_and_slot_replacement_agree():
     gk, gv, gp = (np.asarray(x) for x in vc.topk_gather(k, v, jnp.asarray(pos), scores, N))
     keep = np.asarray(vc.keep_mask(jnp.asarray(scores), jnp.asarray(pos), N))
     old_pos, dest = (np.asarray(x) for x in vc.block_destinations(jnp.asarray(keep), jnp.asarray(pos), N))
-    slot_pos = np.asarray(vc.scatter_slots(jnp.asarray(old_pos), jnp.asarray(dest), jnp.asarray(pos[..., N:])))
-    slot_k = np.asarray(vc.scatter_slots(jnp.asarray(k[..., :N, :]), jnp.asarray(dest), jnp.asarray(k[..., N:, :])))
+    slot_pos = np.asarray(vc.scatter_slots(jnp.asarray(old_pos), jnp.asarray(dest),
+                                           jnp.asarray(pos[..., N:])))
+    slot_k = np.asarray(vc.scatter_slots(jnp.asarray(k[..., :N, :]), jnp.asarray(dest),
+                                         jnp.asarray(k[..., N:, :])))
     for b in range(B):
         for h in range(K):
             assert sorted(gp[b, h][gp[b, h] >= 0]) == sorted(pos[b, h][keep[b, h]])
@@ -244,11 +247,15 @@ def test_policy_lookup_errors():
 def test_jit_equals_eager_scores():
     k, v, pos, probs, q_pos, acc = _inputs(seed=6)
     attn = P.AttnInfo(jnp.asarray(probs), jnp.asarray(q_pos), jnp.asarray(acc))
+
+    def jit_scores(pol, kw):
+        return jax.jit(lambda a, b, c, d: pol(a, b, c, d, slots=N, **kw))
+
     for name in POLICY_NAMES:
         pol = vdjax.get_policy(name)
         kw = {"mix": HYBRID_W} if name == "hybrid" else {}
         eager = pol(k, v, attn, jnp.asarray(pos), slots=N, **kw)
-        jitted = jax.jit(lambda a, b, c, d: pol(a, b, c, d, slots=N, **kw))(k, v, attn, jnp.asarray(pos))
+        jitted = jit_scores(pol, kw)(k, v, attn, jnp.asarray(pos))
         chex.assert_shape([eager, jitted], (B, K, C))
         chex.assert_trees_all_close(jitted, eager, rtol=1e-5, atol=1e-6, custom_message=name)
 

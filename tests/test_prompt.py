@@ -1,14 +1,16 @@
-"""vdjax.prompt: chat rendering and the context/question boundary, also under templates that trim the message."""
+"""vdjax.text.prompt: chat rendering and the context/question boundary, also under
+templates that trim the message."""
 
 import pytest
 
-from helpers import tiny_tokenizer
 from vdjax.eval.sample import Sample, render_ids, render_text
-from vdjax.prompt import render_chat
+from vdjax.text.prompt import render_chat
+
+from helpers import tiny_tokenizer
 
 # Llama-3.x / Gemma-it style: the message content is trimmed.
-TRIM = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TRIM = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 THINK = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
          "<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}<think></think>"
          "{% endif %}")

@@ -1,40 +1,43 @@
 """Qwen3.5: gated attention + Gated DeltaNet, tiny random HF models (fp32, eager) against vdjax.
 
-Prompts of 150 tokens span three DeltaNet chunks (64) and many blocks; block sizes 7 and 48 are not multiples
-of the chunk."""
+Prompts of 150 tokens span three DeltaNet chunks (64) and many blocks; block sizes 7 and 48 are
+not multiples of the chunk."""
 
 import json
 
-import numpy as np
-import pytest
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+
+from test_parity import hf_logits, rel_err  # noqa: E402
 
 import vdjax  # noqa: E402
 from vdjax.models import deltanet as dn  # noqa: E402
 from vdjax.models import transformer as tf  # noqa: E402
 from vdjax.models.deltanet import LinearState  # noqa: E402
 
-from test_parity import hf_logits, rel_err  # noqa: E402
-
 V, T, NEW = 128, 150, 6
 PATTERNS = {
     "interval4_untied": dict(layers=4, interval=4, tied=False),  # linear, linear, linear, full
     "alternating_tied": dict(layers=4, types=["linear_attention", "full_attention"] * 2, tied=True),
-    "full_first": dict(layers=3, types=["full_attention", "linear_attention", "linear_attention"], tied=False),
+    "full_first": dict(layers=3, types=["full_attention", "linear_attention", "linear_attention"],
+                       tied=False),
 }
 
 
 def _config(layers, tied, interval=None, types=None):
-    kw = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
-              linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+    kw = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+              linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+              linear_conv_kernel_dim=4,
               rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
                                    mrope_section=[2, 1, 1], mrope_interleaved=True),
-              rms_norm_eps=1e-6, max_position_embeddings=512, tie_word_embeddings=tied, attn_implementation="eager")
+              rms_norm_eps=1e-6, max_position_embeddings=512, tie_word_embeddings=tied,
+              attn_implementation="eager")
     if types is not None:
         kw["layer_types"] = types
     if interval is not None:
@@ -46,7 +49,7 @@ def _randomize(model, seed):
     """Away from the init: (1+w) norms start at 0, the DeltaNet norm at 1; perturb every parameter."""
     torch.manual_seed(seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for _name, p in model.named_parameters():
             scale = 0.15 if p.dim() >= 2 else 0.3
             p.add_(torch.randn_like(p) * scale)
 
@@ -84,7 +87,8 @@ def test_config_and_dense_logits_match_hf(qwen):
     model, _, params = qwen
     cfg = params.config
     assert cfg.family == "qwen3_5" and cfg.attn_gate and cfg.rotary_dim == 8 and cfg.norm_offset == 1.0
-    assert tuple(model.config.layer_types) == cfg.layer_types and cfg.tie_embeddings == model.config.tie_word_embeddings
+    assert tuple(model.config.layer_types) == cfg.layer_types
+    assert cfg.tie_embeddings == model.config.tie_word_embeddings
     assert cfg.attention_layers == tuple(i for i, t in enumerate(cfg.layer_types) if t == "full_attention")
     ids = np.stack([_ids(1), _ids(2)])
     ref = hf_logits(model, ids)
@@ -98,8 +102,8 @@ def test_config_and_dense_logits_match_hf(qwen):
 
 def _hf_greedy(model, ids, new):
     with torch.no_grad():
-        out = model.generate(torch.tensor(ids[None], dtype=torch.long), max_new_tokens=new, min_new_tokens=new,
-                             do_sample=False, pad_token_id=0)
+        out = model.generate(torch.tensor(ids[None], dtype=torch.long), max_new_tokens=new,
+                             min_new_tokens=new, do_sample=False, pad_token_id=0)
     return out[0, len(ids):].numpy()
 
 
@@ -116,7 +120,8 @@ def test_every_policy_at_full_budget_gives_hf_greedy_tokens(interval4):
 
 
 def _hf_states(model, ids):
-    """HF's DeltaNet states after a prefill: {layer: (conv [B, C, K] (last K inputs), rec [B, Hv, dk, dv])}."""
+    """HF's DeltaNet states after a prefill: {layer: (conv [B, C, K] (last K
+    inputs), rec [B, Hv, dk, dv])}."""
     with torch.no_grad():
         cache = model(input_ids=torch.tensor(ids, dtype=torch.long), use_cache=True).cache
     return {i: (cache.get_conv_state(i).numpy(), cache.get_recurrent_state(i).numpy())
@@ -135,7 +140,8 @@ def test_state_after_blocks_equals_one_pass_and_hf(interval4):
             state = cache[i]
             assert isinstance(state, LinearState)
             np.testing.assert_allclose(state.rec, whole[i].rec, rtol=1e-4, atol=1e-5)
-            np.testing.assert_allclose(state.conv, whole[i].conv, rtol=1e-4, atol=5e-5)  # block vs one pass rounding
+            # block vs one pass rounding
+            np.testing.assert_allclose(state.conv, whole[i].conv, rtol=1e-4, atol=5e-5)
             np.testing.assert_allclose(state.rec, rec, rtol=1e-3, atol=2e-5)  # HF's rule in fp32 too
             np.testing.assert_allclose(state.conv, conv[:, :, 1:].transpose(0, 2, 1), rtol=1e-4, atol=5e-5)
 
@@ -181,7 +187,8 @@ def test_ragged_rows_equal_their_single_runs(interval4):
     rows = [_ids(7, 150), _ids(8, 61), _ids(9, 100)]
     batch = vdjax.run(params, rows, "valuediff", budget=32, block_size=16, max_new_tokens=5, eos_token_id=[])
     for r, ids in enumerate(rows):
-        alone = vdjax.run(params, ids, "valuediff", budget=32, block_size=16, max_new_tokens=5, eos_token_id=[])
+        alone = vdjax.run(params, ids, "valuediff", budget=32, block_size=16, max_new_tokens=5,
+                          eos_token_id=[])
         np.testing.assert_array_equal(alone.tokens[0], batch.tokens[r])
         for i in params.config.attention_layers:
             assert sorted(np.asarray(alone.cache[i].pos[0]).ravel().tolist()) == \
@@ -189,7 +196,8 @@ def test_ragged_rows_equal_their_single_runs(interval4):
         for i, t in enumerate(params.config.layer_types):
             if t == "linear_attention":
                 np.testing.assert_allclose(batch.cache[i].rec[r], alone.cache[i].rec[0], rtol=1e-4, atol=1e-5)
-                np.testing.assert_allclose(batch.cache[i].conv[r], alone.cache[i].conv[0], rtol=1e-4, atol=1e-5)
+                np.testing.assert_allclose(batch.cache[i].conv[r], alone.cache[i].conv[0], rtol=1e-4,
+                                           atol=1e-5)
 
 
 @pytest.mark.parametrize("policy", [p for p in vdjax.POLICIES if p != "dense"])
@@ -202,8 +210,8 @@ def test_attention_layers_hold_min_n_seen_after_every_block(interval4, policy):
                              **({"mix": 0.5} if policy == "hybrid" else {}))
     pos = np.asarray(cache.pos)
     assert pos.shape[0] == len(params.config.attention_layers)
-    for l, b, h in np.ndindex(pos.shape[:3]):
-        valid = pos[l, b, h][pos[l, b, h] >= 0]
+    for layer, b, h in np.ndindex(pos.shape[:3]):
+        valid = pos[layer, b, h][pos[layer, b, h] >= 0]
         assert len(valid) == min(budget, len(rows[b])) and len(set(valid.tolist())) == len(valid)
 
 
@@ -220,7 +228,8 @@ def test_multimodal_layout_checkpoint_loads(tmp_path, interval4):
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     text = json.loads((folder / "config.json").read_text())
     cfg = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
-           "text_config": {k: v for k, v in text.items() if k not in ("architectures", "tie_word_embeddings")},
+           "text_config": {k: v for k, v in text.items()
+                           if k not in ("architectures", "tie_word_embeddings")},
            "vision_config": {"depth": 1}, "image_token_id": 5, "tie_word_embeddings": False}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     mm = vdjax.load(tmp_path)
@@ -229,7 +238,7 @@ def test_multimodal_layout_checkpoint_loads(tmp_path, interval4):
 
 
 def test_refusals_name_the_setting():
-    from vdjax.models.config import from_hf_config
+    from vdjax.models.hf_config import from_hf_config
 
     base = _config(4, False, interval=4).to_dict()
     with pytest.raises(ValueError, match="attention_bias=True \\(not handled for Qwen3.5\\)"):
@@ -239,14 +248,16 @@ def test_refusals_name_the_setting():
     llama = transformers.LlamaConfig(vocab_size=V, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                      intermediate_size=64).to_dict()
     llama["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
-    with pytest.raises(ValueError, match="partial_rotary_factor=0.5 \\(partial RoPE is handled for Qwen3.5 only\\)"):
+    with pytest.raises(ValueError,
+                       match="partial_rotary_factor=0.5 \\(partial RoPE is handled for Qwen3.5 only\\)"):
         from_hf_config(llama)
 
 
 def test_geometry_and_hybrid_fit_on_attention_layers_only(interval4):
-    """Statistics and the hybrid fit cover the attention layers; Gated DeltaNet rows are NaN (mix 1, unused)."""
-    from vdjax import geometry as G
-    from vdjax import hybrid as HY
+    """Statistics and the hybrid fit cover the attention layers; Gated DeltaNet
+    rows are NaN (mix 1, unused)."""
+    from vdjax.analysis import geometry as G
+    from vdjax.analysis import hybrid as HY
 
     _, _, params = interval4
     cfg = params.config

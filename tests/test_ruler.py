@@ -9,7 +9,7 @@ import zlib
 import numpy as np
 import pytest
 
-from vdjax.eval import ruler
+from vdjax.eval import ruler, ruler_sources
 from vdjax.eval.sample import render_ids, token_counter
 
 LENGTH = 1024
@@ -90,7 +90,7 @@ def test_reproducible_and_seeded(built):
         again = ruler.build(task, TOK, length=LENGTH, num_samples=NUM, seed=0)
         assert [s.to_json() for s in again] == [s.to_json() for s in built[task]]
         other = ruler.build(task, TOK, length=LENGTH, num_samples=NUM, seed=1)
-        assert all(a.context != b.context for a, b in zip(other, built[task]))
+        assert all(a.context != b.context for a, b in zip(other, built[task], strict=True))
         assert [s.id for s in other] == [f"{task}-{LENGTH}-1-{i}" for i in range(NUM)]
         first, = ruler.build(task, TOK, length=LENGTH, num_samples=1, seed=0)
         assert first.to_json() == built[task][0].to_json()  # independent of num_samples
@@ -134,21 +134,21 @@ def test_niah_single_answer(built, task):
 
 
 def test_essay_sentences_and_needle_depths(built):
-    words, ends = ruler._essay()
+    words, ends = ruler_sources._essay()
     assert len(words) == 525449 and ends[:4] == (18, 22, 57, 96) and ends[-1] == len(words)
     assert " ".join(words[22:57]).count("mistakes.If") == 1  # no split inside a word, as punkt
-    assert ruler._essay_sentence_ends(25) == [18, 22, 25]  # a cut sentence ends the prefix
+    assert ruler_sources._essay_sentence_ends(25) == [18, 22, 25]  # a cut sentence ends the prefix
     w = len(words)
-    assert ruler._essay_sentence_ends(w + 30)[-4:] == [w, w + 18, w + 22, w + 30]  # the essay repeats
-    assert ruler._essay_text(len(words) - 4, len(words) + 2) == "drafts of this. April 2012A"
+    assert ruler_sources._essay_sentence_ends(w + 30)[-4:] == [w, w + 18, w + 22, w + 30]  # the essay repeats
+    assert ruler_sources._essay_text(len(words) - 4, len(words) + 2) == "drafts of this. April 2012A"
     head = HEAD_MULTI.format(v="number")
     for task in ("niah_single_2", "niah_multivalue"):
         for s in built[task]:
             body = s.context[s.context.index("afterwards.\n") + len("afterwards.\n"):]
-            sentence_ends = ruler._essay_sentence_ends(s.extra["haystack"])
+            sentence_ends = ruler_sources._essay_sentence_ends(s.extra["haystack"])
             needles = list(re.finditer(rf"One of the special magic numbers for .+? is: {NUMBER}\.", body))
             assert len(needles) == len(s.extra["depths"]) == len(s.answers)
-            for j, (depth, m) in enumerate(zip(s.extra["depths"], needles)):
+            for j, (depth, m) in enumerate(zip(s.extra["depths"], needles, strict=True)):
                 cut = int(len(sentence_ends) * (depth / 100))  # RULER: insert before sentence int(S * depth)
                 essay_words = len(body[:m.start()].split()) - sum(len(x.group().split()) for x in needles[:j])
                 assert essay_words == (0 if cut == 0 else sentence_ends[cut - 1]), (task, depth)
@@ -172,7 +172,7 @@ def test_niah_multivalue_and_multiquery(built):
         assert s.question == ("\nWhat are all the special magic numbers for "
                               f"{query} mentioned in the provided text?")
         assert s.answer_prefix == f" The special magic numbers for {query} mentioned in the provided text are"
-        for k, a in zip(keys, s.answers):
+        for k, a in zip(keys, s.answers, strict=True):
             assert s.context.count(f"One of the special magic numbers for {k} is: {a}.") == 1
 
 
@@ -284,8 +284,8 @@ def test_qa_1_squad(built):
 
 
 def test_qa_gold_document_sits_where_the_official_seed_puts_it():
-    """RULER shuffles qa's documents with a fresh Random(42): the gold document (first before the shuffle) gets
-    the same slot for a given document count, near the end for 16-32 documents (86-94 %). vdjax's default
+    """RULER shuffles qa's documents with a fresh Random(42): the gold document (first before the shuffle)
+    gets the same slot for a given document count, near the end for 16-32 documents (86-94 %). vdjax's default
     seed is RULER's; seed 0 put it near the start (4-22 %)."""
     assert ruler.SEED == 42
     default = ruler.build("qa_1", TOK, length=3072, num_samples=8)  # 21-25 documents with WordTok

@@ -21,8 +21,10 @@ import pytest
 
 import vdjax
 from tests.helpers import random_params, tiny_config
-from vdjax.cli import main
-from vdjax.eval import records as rec, report, runner
+from vdjax.app.cli import main
+from vdjax.engine import timing
+from vdjax.eval import records as rec
+from vdjax.eval import report, runner, summary_rows
 from vdjax.eval.sample import Sample
 
 CHARS = " abcdefghijklmnopqrstuvwxyz0123456789.,:?\n"
@@ -165,12 +167,12 @@ def test_batched_equals_one_by_one(tiny, reference, tmp_path, monkeypatch):
     """Ragged batches of 2 give exactly the rows run alone; the paper protocol passes the whole prompt."""
     calls = []
     real_run = vdjax.run
-    monkeypatch.setattr(vdjax, "run", lambda p, ids, *a, **k: calls.append((ids, k.get("question")))
+    monkeypatch.setattr(timing, "run", lambda p, ids, *a, **k: calls.append((ids, k.get("question")))
                         or real_run(p, ids, *a, **k))
     single = _run(tiny, tmp_path, batch_size=1, policies=["valuediff"], budgets=[16], tasks=["alpha"])
     samples = _build("alpha", CharTokenizer(), length=85, num_samples=4)
     assert len(calls) == 4
-    for (ids, question), s in zip(calls, samples):
+    for (ids, question), s in zip(calls, samples, strict=True):
         assert question is None and len(ids) == 1
         assert len(ids[0]) == 1 + len(s.context) + len(s.question) + len(s.answer_prefix)
     ref = {rec.record_key(r): r for r in _lines(reference)}
@@ -200,7 +202,7 @@ def test_resume_after_crash(tiny, reference, tmp_path, monkeypatch):
 
     seen = []
     real_run = vdjax.run
-    monkeypatch.setattr(vdjax, "run", lambda *a, **k: seen.append(len(a[1])) or real_run(*a, **k))
+    monkeypatch.setattr(timing, "run", lambda *a, **k: seen.append(len(a[1])) or real_run(*a, **k))
     assert _run(tiny, tmp_path) == path
     lines = path.read_text().splitlines()
     assert lines[:7] == before  # nothing rewritten
@@ -252,7 +254,7 @@ def test_question_agnostic_uses_question(tiny, tmp_path, monkeypatch):
         calls.append((ids, k.get("question")))
         return real_run(params, ids, *a, **k)
 
-    monkeypatch.setattr(vdjax, "run", spy)
+    monkeypatch.setattr(timing, "run", spy)
     path = _run(tiny, tmp_path, protocol="question_agnostic", policies=["dense", "valuediff"], budgets=[16],
                 tasks=["alpha"])
     assert path.parts[-3:-1] == ("question_agnostic", "L85")
@@ -306,7 +308,7 @@ def test_stop_at_newline(tiny, reference, tmp_path, monkeypatch):
                  for s in _build("alpha", tok, length=85, num_samples=4)}
     calls = []
     real_run = vdjax.run
-    monkeypatch.setattr(vdjax, "run", lambda p, ids, *a, **k: calls.append(
+    monkeypatch.setattr(timing, "run", lambda p, ids, *a, **k: calls.append(
         ({prompt_of[tuple(row)] for row in ids}, k.get("eos_token_id"), k.get("min_new_tokens", 0)))
         or real_run(p, ids, *a, **k))
     path = _run(tiny, tmp_path, bench, tasks=["alpha"], policies=["valuediff"])
@@ -332,7 +334,8 @@ def test_stop_at_newline(tiny, reference, tmp_path, monkeypatch):
         else:
             assert (r["prediction"], r["new_tokens"]) == (want["prediction"], want["new_tokens"])
     by_key = {(r["sample_id"], r["budget"]): r for r in records}
-    assert cut == 2 and forced == 0  # min_new_tokens masking itself: test_pipeline's test_min_new_tokens_masks_eos
+    # min_new_tokens masking itself: test_pipeline's test_min_new_tokens_masks_eos
+    assert cut == 2 and forced == 0
     assert (by_key["alpha-0", 32]["prediction"], by_key["alpha-0", 32]["new_tokens"]) == ("6wu\n", 4)
     assert (by_key["alpha-2", 16]["prediction"], by_key["alpha-2", 16]["new_tokens"]) == ("u\n", 2)
     assert not any(r["prediction"].startswith("\n") for r in records if r["sample_id"] in flagged)
@@ -357,7 +360,7 @@ def test_fraction_budgets_from_recorded_dense(tiny, reference, tmp_path, monkeyp
         json.dumps(_dense_record(f"alpha-{i}", n, 1.0, tiny)) + "\n" for i, n in enumerate(lengths)))
     calls = []
     real_run = vdjax.run
-    monkeypatch.setattr(vdjax, "run", lambda p, ids, pol, budget, *a, **k: calls.append((pol.name, budget))
+    monkeypatch.setattr(timing, "run", lambda p, ids, pol, budget, *a, **k: calls.append((pol.name, budget))
                         or real_run(p, ids, pol, budget, *a, **k))
     with pytest.warns(UserWarning, match="budgets 0.25 and 0.3 both give budget 16"):
         path = _run(tiny, tmp_path, tasks=["alpha"], policies=["dense", "valuediff"],
@@ -377,8 +380,8 @@ def test_fraction_budgets_from_recorded_dense(tiny, reference, tmp_path, monkeyp
     # frozen: dense lines that would now give other budgets change nothing for the fractions already set;
     # a new fraction is computed from the dense lengths of now (mean 130: 0.125 -> 16.25 -> 16) and frozen too
     lines = (folder / "predictions.jsonl").read_text().splitlines()
-    doubled = [json.dumps(r | {"new_tokens": 2 * r["new_tokens"]}) if r["policy"] == "dense" else json.dumps(r)
-               for r in map(json.loads, lines)]
+    doubled = [json.dumps(r | {"new_tokens": 2 * r["new_tokens"]}) if r["policy"] == "dense"
+               else json.dumps(r) for r in map(json.loads, lines)]
     (folder / "predictions.jsonl").write_text("\n".join(doubled) + "\n")
     calls.clear()
     with pytest.warns(UserWarning, match="budgets 0.125 and 0.25 both give budget 16"):
@@ -409,7 +412,7 @@ def test_fraction_budgets_two_phases_resume(tiny, reference, tmp_path, monkeypat
 
     order = []
     real_run = vdjax.run
-    monkeypatch.setattr(vdjax, "run", lambda p, ids, pol, budget, *a, **k: order.append((pol.name, len(ids)))
+    monkeypatch.setattr(timing, "run", lambda p, ids, pol, budget, *a, **k: order.append((pol.name, len(ids)))
                         or real_run(p, ids, pol, budget, *a, **k))
     kw = dict(tasks=["alpha"], policies=["valuediff", "dense"], budgets=[0.25])
     with pytest.raises(RuntimeError, match="simulated crash"):
@@ -551,7 +554,8 @@ def test_report_names_settings_and_warns_about_mixed_lines(tmp_path):
     assert any("1 line(s) of" in w and "differs in seed" in w for w in s.warnings), s.warnings
     assert any("mixes lines of several valuediff hyper-parameters" in w for w in s.warnings), s.warnings
     md = s.md_path.read_text()
-    assert md.startswith("> warning:") and 'Settings: seed 0; block 128; decoding greedy; valuediff {"window": 32}' in md
+    assert (md.startswith("> warning:")
+            and 'Settings: seed 0; block 128; decoding greedy; valuediff {"window": 32}' in md)
     assert s.rows[0].cells["valuediff"].score == 50.0  # the first line of the key kept (score 0.0, not 1.0)
 
 
@@ -664,9 +668,10 @@ def test_checkpoint_fingerprint_is_the_content_not_the_writer_version(tiny, tmp_
     def folder(name, version, weights=b"w" * 64, **config):
         d = tmp_path / name
         d.mkdir()
-        (d / "config.json").write_text(json.dumps({"hidden_size": 8, "transformers_version": version, **config},
-                                                  indent=2))
-        (d / "generation_config.json").write_text(json.dumps({"transformers_version": version, "eos_token_id": 1}))
+        (d / "config.json").write_text(
+            json.dumps({"hidden_size": 8, "transformers_version": version, **config}, indent=2))
+        (d / "generation_config.json").write_text(
+            json.dumps({"transformers_version": version, "eos_token_id": 1}))
         (d / "model.safetensors").write_bytes(weights)
         return Params(params.weights, params.config, source=str(d))
 
@@ -712,7 +717,8 @@ def test_rescore_recomputes_from_predictions(tiny, reference, tmp_path):
 
 def test_sampled_draws_are_per_row_and_resume_exactly(tiny, tmp_path):
     """k draws per sample from per-row keys: batched = one by one (up to XLA:CPU rounding by batch size, which
-    can flip a near-tie of the sampler: at most 2 of 24 here), and a resumed run redraws only what is missing."""
+    can flip a near-tie of the sampler: at most 2 of 24 here), and a resumed run redraws only what is
+    missing."""
     kw = dict(tasks=["alpha"], policies=["dense", "valuediff"], budgets=[16], draws=3,
               sampling={"temperature": 1.5, "top_p": 0.95})
     batched = _lines(_run(tiny, tmp_path / "a", batch_size=4, **kw))
@@ -753,7 +759,7 @@ def test_hybrid_runs_each_budget_with_the_mix_selected_at_it(tiny, tmp_path):
     """A mix saved for a budget (`fitted-N<budget>.json`) is what that budget's lines run and record; another
     budget takes the budget-free mix; run.json lists both; a rerun resumes (no refusal); the report's caption
     names each budget's mix and warns about nothing."""
-    from vdjax import hybrid as HY
+    from vdjax.analysis import hybrid as HY
     from vdjax.models.params import Params
 
     params, tok = tiny
@@ -787,10 +793,11 @@ def test_hybrid_runs_each_budget_with_the_mix_selected_at_it(tiny, tmp_path):
 
 
 def test_select_on_ruler_keeps_the_best_mean_score_on_held_out_samples(tiny, tmp_path, monkeypatch):
-    """Each candidate mix runs as policy hybrid on RULER samples drawn with seed 1 (not RULER's 42) into its own
-    resumable folder (a repeated mix shares its run); the selection is the highest mean of the lines' scores
-    (ties: the first), a second call generates nothing, and qa (questions by index, the same for every seed) is not among the default tasks."""
-    from vdjax import analyze as A
+    """Each candidate mix runs as policy hybrid on RULER samples drawn with seed 1 (not RULER's 42) into its
+    own resumable folder (a repeated mix shares its run); the selection is the highest mean of the lines'
+    scores (ties: the first), a second call generates nothing, and qa (questions by index, the same for every
+    seed) is not among the default tasks."""
+    from vdjax.app import analyze as A
     from vdjax.eval import metrics
 
     params, tok = tiny
@@ -800,10 +807,12 @@ def test_select_on_ruler_keeps_the_best_mean_score_on_held_out_samples(tiny, tmp
     cands = {"even": [[0.5] * K] * L, "valuediff": [[1.0] * K] * L, "keydiff": [[0.0] * K] * L}
     tasks = ("niah_single_1", "niah_single_2")
     kw = dict(model_name="tiny", budget=64, block=32, length=768, samples=2, tasks=tasks, batch_size=2)
-    best, scores, detail = A.select_on_ruler(params, tok, cands | {"ones": [[1.0] * K] * L}, out_dir=tmp_path, **kw)
+    best, scores, detail = A.select_on_ruler(params, tok, cands | {"ones": [[1.0] * K] * L}, out_dir=tmp_path,
+                                             **kw)
     assert detail == {"highest": best, "prior": None, "difference": None, "level": 0.95}
     assert list(scores) == [*cands, "ones"]
-    assert scores.pop("ones") == scores["valuediff"] and not (tmp_path / "ones").exists()  # same weights: one run
+    # same weights: one run
+    assert scores.pop("ones") == scores["valuediff"] and not (tmp_path / "ones").exists()
     for name, w in cands.items():
         lines = _lines(tmp_path / name / "ruler" / "tiny" / "paper" / "L768" / "predictions.jsonl")
         assert len(lines) == 4 and {r["task"] for r in lines} == set(tasks)
@@ -817,13 +826,15 @@ def test_select_on_ruler_keeps_the_best_mean_score_on_held_out_samples(tiny, tmp
     assert A.select_on_ruler(params, tok, cands, out_dir=tmp_path, **kw)[:2] == (best, scores) and not calls
     # a prior stays unless the highest beats it beyond the paired bootstrap interval of the same samples
     others = [n for n in cands if n != best]
-    lines = {n: {r["sample_id"]: r["score"] for r in _lines(tmp_path / n / "ruler" / "tiny" / "paper" / "L768" /
-                                                               "predictions.jsonl")} for n in cands}
+    lines = {n: {r["sample_id"]: r["score"]
+                 for r in _lines(tmp_path / n / "ruler" / "tiny" / "paper" / "L768" / "predictions.jsonl")}
+             for n in cands}
     for prior in others:
         got, _, d = A.select_on_ruler(params, tok, cands, out_dir=tmp_path, prior=prior, **kw)
         assert d["highest"] == best and d["prior"] == prior
         diffs = [lines[best][i] - lines[prior][i] for i in lines[best]]
-        assert d["difference"][0] == pytest.approx(100 * sum(diffs) / len(diffs))  # 2 samples a task: same mean
+        # 2 samples a task: same mean
+        assert d["difference"][0] == pytest.approx(100 * sum(diffs) / len(diffs))
         assert got == (best if d["difference"][1] > 0 else prior)
     assert A.select_on_ruler(params, tok, cands, out_dir=tmp_path, prior=best, **kw)[0] == best
     with pytest.raises(ValueError, match="prior='nope' is not a candidate"):
@@ -836,19 +847,20 @@ def test_select_on_ruler_keeps_the_best_mean_score_on_held_out_samples(tiny, tmp
 
 
 def test_paired_difference_bootstrap_by_hand():
-    """The difference is the task-mean of per-task mean paired differences (x100) over shared samples; a constant
-    difference has a zero-width interval; the interval holds the difference, narrows with the level, and is the
-    same for the same seed."""
+    """The difference is the task-mean of per-task mean paired differences (x100) over shared samples; a
+    constant difference has a zero-width interval; the interval holds the difference, narrows with the level,
+    and is the same for the same seed."""
     a = {"t1": {"0": 1.0, "1": 0.0, "2": 1.0}, "t2": {"0": 0.5, "1": 0.5}, "t3": {"0": 1.0}}
     b = {"t1": {"0": 0.0, "1": 0.0, "2": 0.0, "9": 1.0}, "t2": {"0": 0.5, "1": 0.0}}
-    d, lo, hi = report.paired_difference(a, b)
+    d, lo, hi = summary_rows.paired_difference(a, b)
     assert d == pytest.approx(100 * (2 / 3 + 0.25) / 2)  # t3 and b's sample 9 are not shared
     assert 0 <= lo < d < hi <= 100 * (1 + 0.5) / 2
-    assert report.paired_difference(a, b) == (d, lo, hi)
-    d50, lo50, hi50 = report.paired_difference(a, b, level=0.5)
+    assert summary_rows.paired_difference(a, b) == (d, lo, hi)
+    d50, lo50, hi50 = summary_rows.paired_difference(a, b, level=0.5)
     assert d50 == d and lo <= lo50 <= hi50 <= hi
     const = {"t": {str(i): 0.25 for i in range(5)}}
-    assert report.paired_difference(const, {"t": {str(i): 0.0 for i in range(5)}}) == pytest.approx((25, 25, 25))
-    assert report.paired_difference(a, {"other": {"0": 1.0}}) is None
+    assert summary_rows.paired_difference(const, {"t": {str(i): 0.0 for i in range(5)}}) == pytest.approx(
+        (25, 25, 25))
+    assert summary_rows.paired_difference(a, {"other": {"0": 1.0}}) is None
     with pytest.raises(ValueError, match="level must lie in"):
-        report.paired_difference(a, b, level=95)
+        summary_rows.paired_difference(a, b, level=95)

@@ -1,4 +1,5 @@
-"""Multi-device inference (vdjax.sharding): a ("data", "model") mesh gives the single-device tokens and cache.
+"""Multi-device inference (vdjax.engine.sharding): a ("data", "model") mesh gives the
+single-device tokens and cache.
 
 JAX fixes its device count when it first starts, and this process already has 1 CPU device, so the mesh
 runs happen in two child processes with 8 forced host devices
@@ -21,7 +22,7 @@ import pytest
 from jax.sharding import Mesh
 
 import vdjax
-from vdjax import sharding
+from vdjax.engine import sharding, timing
 
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
@@ -68,11 +69,12 @@ def _summary(gen) -> dict:
 def _qwen3_5():
     """A tiny random Qwen3.5 (3 Gated DeltaNet layers, 1 gated attention layer) and the ragged batch."""
     from vdjax.models.config import ModelConfig
-    from vdjax.models.spec import init_params
+    from vdjax.models.weights import init_params
 
     cfg = ModelConfig(family="qwen3_5", vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=4,
-                      num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, norm_offset=1.0, qk_norm=True,
-                      attn_gate=True, rotary_dim=4, layer_types=("linear_attention",) * 3 + ("full_attention",),
+                      num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, norm_offset=1.0,
+                      qk_norm=True, attn_gate=True, rotary_dim=4,
+                      layer_types=("linear_attention",) * 3 + ("full_attention",),
                       linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
                       linear_value_head_dim=8, linear_conv_kernel=4)
     return init_params(cfg, 3), _model(4)[1]
@@ -95,10 +97,10 @@ def _qwen3_5_run(mesh=None, layer_scan=None) -> dict:
 def _gpt_oss():
     """A tiny random GPT-OSS (sliding and full layers, sinks, 4 experts top 2, YaRN) and the ragged batch."""
     from vdjax.models.config import ModelConfig
-    from vdjax.models.spec import init_params
+    from vdjax.models.weights import init_params
 
-    yarn = (("beta_fast", 32.0), ("beta_slow", 1.0), ("factor", 4.0), ("original_max_position_embeddings", 32),
-            ("rope_type", "yarn"), ("truncate", False))
+    yarn = (("beta_fast", 32.0), ("beta_slow", 1.0), ("factor", 4.0),
+            ("original_max_position_embeddings", 32), ("rope_type", "yarn"), ("truncate", False))
     cfg = ModelConfig(family="gpt_oss", vocab_size=61, hidden_size=32, intermediate_size=16, num_layers=2,
                       num_heads=8, num_kv_heads=4, head_dim=8, rope_theta=150000.0, rope_scaling=yarn,
                       layer_types=("sliding_attention", "full_attention"), sliding_window=8, qkv_bias=True,
@@ -112,8 +114,8 @@ def _gpt_oss_run(mesh=None) -> dict:
     out = _summary(vdjax.run(params, ids, "tova", mesh=mesh, **RUN, budget=12))
     if mesh is not None:
         lw = sharding.shard_params(params, mesh).weights["layers"][0]
-        out["specs"] = {name: _spec(lw[name]) for name in ("moe_gate_up", "moe_down", "moe_down_b", "router_w",
-                                                            "sinks")}
+        out["specs"] = {name: _spec(lw[name])
+                        for name in ("moe_gate_up", "moe_down", "moe_down_b", "router_w", "sinks")}
     return out
 
 
@@ -140,7 +142,7 @@ def _spec(x) -> list:
 
 def _child(group: str) -> dict:
     """The mesh runs of one child process (8 host devices)."""
-    from vdjax.pipeline import place
+    from vdjax.engine.placement import place
 
     assert jax.device_count() == 8, jax.devices()
     out = {}
@@ -158,10 +160,13 @@ def _child(group: str) -> dict:
                          "cache_k": _spec(cache.layers[0].k), "cache_pos": _spec(cache.layers[1].pos),
                          "tokens_devices": len(placed.tokens.sharding.device_set),
                          "tokens_shard_rows": placed.tokens.addressable_shards[0].data.shape[0]}
-        # the layer scan (the GPU/TPU default) on the mesh: the cache carry stacked over layers, split at the end
-        out["2x4_scan"] = {p: _summary(vdjax.run(params, ids, p, mesh=mesh, layer_scan=True, **RUN, **POLICIES[p]))
+        # the layer scan (the GPU/TPU default) on the mesh: the cache carry stacked over layers, split at the
+        # end
+        out["2x4_scan"] = {p: _summary(vdjax.run(params, ids, p, mesh=mesh, layer_scan=True, **RUN,
+                                                 **POLICIES[p]))
                            for p in ("valuediff", "h2o", "dense")}
-        cache, _ = vdjax.prefill(params, ids, "valuediff", mesh=mesh, block_size=8, budget=12, layer_scan=True)
+        cache, _ = vdjax.prefill(params, ids, "valuediff", mesh=mesh, block_size=8, budget=12,
+                                 layer_scan=True)
         out["specs"]["cache_k_scan"] = _spec(cache.layers[0].k)
     else:  # data 8: rows padded 6 -> 8; 2 KV heads on a 4-way model axis: attention replicated, MLP split
         out["8x1"] = _runs(4, POLICIES, sharding.make_mesh(data=8, model=1))
@@ -220,8 +225,9 @@ def test_mesh_run_equals_single_device(results, policy, mesh):
 
 @pytest.mark.parametrize("policy", ["valuediff", "h2o", "dense"])
 def test_mesh_layer_scan_equals_single_device(results, policy):
-    """`layer_scan=True` on a 2x4 mesh (the accelerators' default) against one device with the layers unrolled:
-    same tokens and kept positions, the returned cache split per layer and still sharded rows x heads."""
+    """`layer_scan=True` on a 2x4 mesh (the accelerators' default) against one device with the layers
+    unrolled: same tokens and kept positions, the returned cache split per layer and
+    still sharded rows x heads."""
     ref, got = results
     want, have = ref["kv4"][policy], got["2x4_scan"][policy]
     assert have["rows"] == len(LENGTHS) and have["tokens"] == want["tokens"]
@@ -239,8 +245,9 @@ def _same_kept(have: list, want: list) -> None:
     assert have.shape == want.shape
     equal = np.all(have == want, axis=-1)  # [La, B, K]
     shared = np.mean([np.isin(h, w).mean() for h, w in
-                      zip(have.reshape(-1, have.shape[-1]), want.reshape(-1, want.shape[-1]))])
-    print(f"kept sets equal: {equal.mean():.3f} ({int(equal.sum())} of {equal.size}); positions shared {shared:.3f}")
+                      zip(have.reshape(-1, have.shape[-1]), want.reshape(-1, want.shape[-1]), strict=True)])
+    print(f"kept sets equal: {equal.mean():.3f} ({int(equal.sum())} of {equal.size}); "
+          f"positions shared {shared:.3f}")
     assert equal.mean() >= 0.75 and shared >= 0.9, (f"{equal.mean():.1%} of the kept sets equal, "
                                                     f"{shared:.1%} of the positions shared")
 
@@ -270,8 +277,8 @@ def test_sharding_is_real(results):
 
 
 def test_indivisible_kv_heads_replicate_attention(results):
-    """2 KV heads on a 4-way model axis: attention weights and cache replicated over "model", MLP split; same
-    result as one device."""
+    """2 KV heads on a 4-way model axis: attention weights and cache replicated over "model", MLP
+    split; same result as one device."""
     ref, got = results
     s = got["kv2_specs"]
     assert s["wq"] == [] and s["wk"] == [] and s["w_up"] == [None, "model"]
@@ -280,8 +287,8 @@ def test_indivisible_kv_heads_replicate_attention(results):
 
 
 def test_qwen3_5_on_a_mesh(results):
-    """Qwen3.5 on 2x2: DeltaNet value heads (state, z, out projections) and attention heads split over "model";
-    the same tokens, kept positions and states as one device."""
+    """Qwen3.5 on 2x2: DeltaNet value heads (state, z, out projections) and attention heads split over
+    "model"; the same tokens, kept positions and states as one device."""
     ref, got = results
     want, have = ref["qwen3_5"], got["qwen3_5"]
     assert have["tokens"] == want["tokens"] and have["kept"] == want["kept"] and have["rows"] == len(LENGTHS)
@@ -361,7 +368,7 @@ def test_evaluate_passes_mesh(tmp_path, monkeypatch):
         seen.append((mesh, params.weights["layers"][0]["wq"].sharding, len(ids)))
         raise Stop
 
-    monkeypatch.setattr(vdjax, "run", spy)
+    monkeypatch.setattr(timing, "run", spy)
     mesh = sharding.make_mesh(data=1, model=1)
     params, _ = _model(4)
     with pytest.raises(Stop):
@@ -382,7 +389,7 @@ def test_evaluate_passes_mesh(tmp_path, monkeypatch):
             f"{jax.device_count()}"),
 ])
 def test_cli_mesh_refused(command, mesh, message, capsys):
-    from vdjax.cli import main
+    from vdjax.app.cli import main
 
     assert main(command.split() + ["--mesh", mesh]) == 2
     assert message in capsys.readouterr().err

@@ -1,4 +1,5 @@
-"""CI's VDJAX_STRICT=1 (tests/conftest.py): a skip or a missing import fails the run, an `optional:` skip does not."""
+"""CI's VDJAX_STRICT=1 (tests/conftest.py): a skip or a missing import fails the run,
+an `optional:` skip does not."""
 
 import os
 import shutil
@@ -16,7 +17,8 @@ def test_needs_something():
 def test_optional():
     pytest.skip("optional: a separate environment")
 '''
-IMPORTING = "import pytest\nmissing = pytest.importorskip('no_such_module_for_vdjax')\n\ndef test_x():\n    pass\n"
+IMPORTING = ("import pytest\nmissing = pytest.importorskip('no_such_module_for_vdjax')\n\n"
+             "def test_x():\n    pass\n")
 
 
 def _pytest(tmp_path, text: str, strict: bool):

@@ -16,19 +16,22 @@ KVPRESS_PYTHON = ROOT / ".venv-kvpress" / "bin" / "python"
 
 def test_says_how_to_create_the_kvpress_venv(tmp_path):
     md = tmp_path / "vs.md"
-    out = subprocess.run([sys.executable, str(SCRIPT), "--kvpress-python", str(tmp_path / "none" / "python"),
-                          "--out", str(md)], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, str(SCRIPT), "--kvpress-python",
+                          str(tmp_path / "none" / "python"), "--out", str(md)],
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "python -m venv .venv-kvpress && .venv-kvpress/bin/pip install torch==2.13.0 kvpress==0.5.5" in out.stdout
+    assert ("python -m venv .venv-kvpress && .venv-kvpress/bin/pip install torch==2.13.0 kvpress==0.5.5"
+            in out.stdout)
     assert "Nothing was measured" in out.stdout and not md.exists()
 
 
-@pytest.mark.skipif(not KVPRESS_PYTHON.exists(), reason="optional: no .venv-kvpress (see bench/README.md, vs_kvpress.py)")
+@pytest.mark.skipif(not KVPRESS_PYTHON.exists(),
+                    reason="optional: no .venv-kvpress (see bench/README.md, vs_kvpress.py)")
 def test_tiny_keydiff_run_agrees_at_layer_0(tmp_path, smollm2_dir):
     md = tmp_path / "vs.md"
-    out = subprocess.run([sys.executable, str(SCRIPT), "--model", str(smollm2_dir), "--lengths", "384", "--budget",
-                          "256", "--new", "2", "--presses", "keydiff", "--retries", "0", "--max-wait", "0",
-                          "--out", str(md)], capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, str(SCRIPT), "--model", str(smollm2_dir), "--lengths", "384",
+                          "--budget", "256", "--new", "2", "--presses", "keydiff", "--retries", "0",
+                          "--max-wait", "0", "--out", str(md)], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     rows = {r["policy"]: r for r in json.loads(md.with_suffix(".json").read_text())["results"]}
     r = rows["keydiff"]

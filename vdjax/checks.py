@@ -1,9 +1,13 @@
-"""Argument checks shared by the library: each error names the argument, the value and what is allowed."""
+"""Argument and input-file checks shared by the library: each error names the argument (or file),
+the value and what is allowed."""
 
 from __future__ import annotations
 
+import json
 import os
-from typing import Any, Iterable
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -38,3 +42,27 @@ def unique_list(name: str, values: Any) -> list:
     if not out:
         raise ValueError(f"{name} must name at least one entry, got {values!r}")
     return out
+
+
+def read_jsonl(path: Path, limit: int | None, required: Sequence[str], layout: str) -> list[tuple[int, dict]]:
+    """(line number, object) of the first `limit` (all when None) JSON objects of a jsonl file, blank lines
+    skipped; a line that is not a JSON object holding every `required` key is a ValueError naming `layout`."""
+    rows: list[tuple[int, dict]] = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if limit is not None and len(rows) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from e
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            missing = [k for k in required if k not in row]
+            if missing:
+                raise ValueError(f"{path}:{lineno}: missing key(s) {missing}; {layout} row needs "
+                                 f"{list(required)}")
+            rows.append((lineno, row))
+    return rows

@@ -1,0 +1,242 @@
+"""Fixed-size evicting KV cache and the pure eviction operators (`keep_mask`,
+`topk_gather`, slot replacement).
+
+Layers without a KV cache (Qwen3.5's Gated DeltaNet) keep a `LinearState` in the same tuple instead.
+
+Slots hold tokens in no particular order; `pos` gives each slot's
+absolute position (-1 = empty). """
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from vdjax.models.deltanet import LinearState
+
+
+@flax.struct.dataclass
+class LayerCache:
+    """One layer's cache: k, v [B, K, N, D]; pos [B, K, N] int32 (-1 empty); acc [B, K, N] accumulated
+    attention."""
+
+    k: jax.Array
+    v: jax.Array
+    pos: jax.Array
+    acc: jax.Array
+
+    @property
+    def valid(self) -> jax.Array:
+        """Slots holding a token: [B, K, N] bool."""
+        return self.pos >= 0
+
+    @classmethod
+    def empty(cls, batch: int, kv_heads: int, slots: int, head_dim: int, dtype) -> LayerCache:
+        """`slots` empty slots per head."""
+        shape = (batch, kv_heads, slots)
+        return cls(k=jnp.zeros(shape + (head_dim,), dtype), v=jnp.zeros(shape + (head_dim,), dtype),
+                   pos=jnp.full(shape, -1, jnp.int32), acc=jnp.zeros(shape, jnp.float32))
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Every layer's cache: a `LayerCache` per attention layer, a `LinearState` (no KV cache: a fixed-size
+    recurrent state) per Gated DeltaNet layer. `cache[i]` / `cache.layer(i)` gives layer i's.
+
+    `k`, `v`, `pos`, `acc` stack the attention layers ([La, B, K, N, ...], layer indices `attention_layers`)
+    for inspection; they copy, so use them outside hot loops. Sliding-window layers of evicting policies hold
+    `min(N, W - 1)` slots (at most W - 1 tokens are ever live there); the stacked views
+    pad them to N with empty slots.
+    """
+
+    layers: tuple[Any, ...]
+
+    @classmethod
+    def empty(cls, num_layers, batch, kv_heads, slots, head_dim, dtype) -> KVCache:
+        """An empty cache of `slots` slots per head in every layer (an int, or one int per layer)."""
+        per_layer = (slots,) * num_layers if isinstance(slots, int) else tuple(slots)
+        return cls(tuple(LayerCache.empty(batch, kv_heads, n, head_dim, dtype) for n in per_layer))
+
+    @classmethod
+    def for_model(cls, cfg, batch: int, slots, dtype) -> KVCache:
+        """An empty cache for a model config: `slots[i]` slots per head on each attention layer, a zero state
+        on each Gated DeltaNet layer."""
+        return cls(tuple(LayerCache.empty(batch, cfg.num_kv_heads, slots[i], cfg.head_dim, dtype)
+                         if cfg.attends(i) else LinearState.empty(cfg, batch, dtype)
+                         for i in range(cfg.num_layers)))
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """Indices of the layers with a KV cache."""
+        return tuple(i for i, c in enumerate(self.layers) if isinstance(c, LayerCache))
+
+    def _kv(self) -> list[LayerCache]:
+        return [c for c in self.layers if isinstance(c, LayerCache)]
+
+    @property
+    def budget(self) -> int:
+        """Slots per head N (the largest layer's; sliding layers may hold fewer)."""
+        return max(c.pos.shape[-1] for c in self._kv())
+
+    @property
+    def slots(self) -> tuple[int, ...]:
+        """Slots per head of each attention layer."""
+        return tuple(c.pos.shape[-1] for c in self._kv())
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def layer(self, i: int):
+        """Layer i's cache (a LayerCache, or a LinearState for a Gated DeltaNet layer)."""
+        return self.layers[i]
+
+    __getitem__ = layer
+
+    def _stack(self, name: str, fill) -> jax.Array:
+        """One field of every attention layer stacked on a leading axis, smaller layers padded at the end."""
+        n = self.budget
+        parts = []
+        for c in self._kv():
+            a = getattr(c, name)
+            pad = [(0, 0)] * a.ndim
+            pad[2] = (0, n - a.shape[2])
+            parts.append(jnp.pad(a, pad, constant_values=fill))
+        return jnp.stack(parts)
+
+    @property
+    def k(self) -> jax.Array:
+        """Keys of all attention layers [La, B, K, N, D] (padded slots are zeros)."""
+        return self._stack("k", 0)
+
+    @property
+    def v(self) -> jax.Array:
+        """Values of all attention layers [La, B, K, N, D]."""
+        return self._stack("v", 0)
+
+    @property
+    def pos(self) -> jax.Array:
+        """Slot positions of all attention layers [La, B, K, N] (-1 empty or padded)."""
+        return self._stack("pos", -1)
+
+    @property
+    def acc(self) -> jax.Array:
+        """Accumulated attention of all attention layers [La, B, K, N]."""
+        return self._stack("acc", 0.0)
+
+    def valid_counts(self):
+        """Valid slots per attention layer, row and head: [La, B, K]."""
+        return jnp.stack([jnp.sum(c.pos >= 0, axis=-1) for c in self._kv()])
+
+    def nbytes(self) -> int:
+        """Bytes held by the cache arrays (DeltaNet states included)."""
+        return sum(x.nbytes for x in jax.tree.leaves(self.layers))
+
+    def dense_nbytes(self, tokens: int) -> int:
+        """Bytes a dense cache of `tokens` tokens would hold: keys and values of every attention layer."""
+        return int(sum((c.k.nbytes + c.v.nbytes) / c.pos.shape[-1] for c in self._kv()) * tokens)
+
+
+def rank_keys(scores: jax.Array, pos: jax.Array) -> jax.Array:
+    """Scores made eviction-ready: invalid candidates -inf, NaN -> -inf, fp32."""
+    s = jnp.nan_to_num(scores.astype(jnp.float32), nan=-jnp.inf)
+    return jnp.where(pos >= 0, s, -jnp.inf)
+
+
+def keep_mask(scores: jax.Array, pos: jax.Array, budget: int) -> jax.Array:
+    """Which candidates survive: the top `budget` by (score desc, position asc), valid only. [..., C] bool.
+
+    Exact ties keep the earlier position; invalid candidates are never kept, and a set of at most
+    `budget` valid candidates is kept whole.
+    """
+    c = scores.shape[-1]
+    if budget >= c:
+        return pos >= 0
+    s = rank_keys(scores, pos)
+    idx = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), s.shape)
+    # ascending (score, -pos), invalid before everything of equal score: the first C - budget entries go
+    tie = jnp.where(pos >= 0, -pos, jnp.iinfo(jnp.int32).min)
+    _, _, order = jax.lax.sort((s, tie, idx), dimension=-1, num_keys=2)
+    rank = jnp.argsort(order, axis=-1)  # position of each candidate in that order
+    return (rank >= c - budget) & (pos >= 0)
+
+
+def topk_gather(k, v, pos, scores, budget: int):
+    """Reference eviction: gather the kept candidates into `budget` slots (k, v [..., C, D], pos [..., C]).
+
+    Returns (k [..., N, D], v, pos [..., N]) with empty slots at pos -1. The pipeline uses the equivalent,
+    copy-free slot replacement (`block_destinations` + `select_slots`); this is the plain
+    operator for research code and tests.
+    """
+    keep = keep_mask(scores, pos, budget)
+    # kept first (in candidate order), then the rest
+    order = jnp.argsort(~keep, axis=-1, stable=True)[..., :budget]
+    kept = jnp.take_along_axis(keep, order, axis=-1)
+    gk = jnp.take_along_axis(k, order[..., None], axis=-2)
+    gv = jnp.take_along_axis(v, order[..., None], axis=-2)
+    gp = jnp.where(kept, jnp.take_along_axis(pos, order, axis=-1), -1)
+    return gk, gv, gp
+
+
+def _free_slots(free: jax.Array, count: int) -> jax.Array:
+    """Indices [..., count] of the first `count` True entries of free [..., N] (N where there are fewer)."""
+    n = free.shape[-1]
+    idx = jnp.where(free, jnp.arange(n, dtype=jnp.int32), n)
+    return jnp.sort(idx, axis=-1)[..., :count]
+
+
+def block_destinations(keep: jax.Array, pos: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
+    """Slot replacement plan from a keep mask over N + S candidates.
+
+    Returns (cache_pos [B, K, N]: old slots' positions with evicted ones set to -1,
+    dest [B, K, S]: the slot each new token is written to, N = dropped). Surviving new tokens take the slots
+    freed by evicted (or empty) ones, in order, so no kept slot moves.
+    """
+    s = keep.shape[-1] - n
+    kept_old = keep[..., :n]
+    cache_pos = jnp.where(kept_old, pos[..., :n], -1)
+    slots = _free_slots(~kept_old, s)  # [B, K, S]
+    keep_new = keep[..., n:]
+    rank = jnp.cumsum(keep_new, axis=-1) - 1  # [B, K, S]
+    dest = jnp.take_along_axis(slots, jnp.clip(rank, 0, s - 1), axis=-1)
+    return cache_pos, jnp.where(keep_new, dest, n)
+
+
+def single_destination(scores: jax.Array, pos: jax.Array, n: int) -> jax.Array:
+    """Decode-step plan (one new token): the slot [B, K] it replaces, N if the new token itself is evicted.
+
+    The evicted candidate is the minimum by (score asc, position desc) — the same order as `keep_mask` —
+    found with reductions instead of a sort. Below budget an empty slot is always the minimum.
+    """
+    s = rank_keys(scores, pos)  # [B, K, N + 1]
+    low = jnp.min(s, axis=-1, keepdims=True)
+    i32 = jnp.iinfo(jnp.int32)
+    latest = jnp.where(s == low, jnp.where(pos >= 0, pos, i32.max), i32.min)  # empty slots go first
+    victim = jnp.argmax(latest == jnp.max(latest, axis=-1, keepdims=True), axis=-1)  # first index of the max
+    return victim.astype(jnp.int32)
+
+
+def scatter_slots(buf: jax.Array, dest: jax.Array, new: jax.Array) -> jax.Array:
+    """Write new [..., S, *E] into buf [..., N, *E] at slots dest [..., S] (index N = dropped); the leading
+    dims (rows, heads, maybe stacked layers) index alike."""
+    lead, s = dest.shape[:-1], dest.shape[-1]
+    rows = int(np.prod(lead))
+    flat = buf.reshape((rows,) + buf.shape[len(lead):])
+    out = flat.at[jnp.arange(rows)[:, None], dest.reshape(rows, s)].set(
+        new.reshape((rows, s) + new.shape[len(lead) + 1:]), mode="drop")
+    return out.reshape(buf.shape)
+
+
+def select_slots(buf: jax.Array, dest: jax.Array, new: jax.Array) -> jax.Array:
+    """Same result as `scatter_slots` for k/v rows, as one fused select: buf [B, K, N, D], new [B, K, S, D].
+
+    Each slot takes new row j where dest[j] == slot, else keeps its row. XLA fuses this into a single pass
+    over the layer's cache (no aliasing copies around an in-place scatter inside the loop).
+    """
+    s = dest.shape[-1]
+    rows_new = jnp.broadcast_to(jnp.arange(s), dest.shape)  # [B, K, S] each new token's row
+    src = scatter_slots(jnp.full(buf.shape[:3], -1, jnp.int32), dest, rows_new)  # [B, K, N] row per slot
+    rows = jnp.take_along_axis(new, jnp.clip(src, 0, s - 1)[..., None], axis=2)  # [B, K, N, D]
+    return jnp.where((src >= 0)[..., None], rows, buf)

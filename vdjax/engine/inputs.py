@@ -1,0 +1,137 @@
+"""Input checks and the static shapes of a call: ids, the question, length
+buckets, the bound policy (`Plan`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+
+import jax
+import numpy as np
+
+from vdjax.checks import check_int
+from vdjax.engine.evict import cache_rule
+from vdjax.engine.policies import BoundPolicy, Policy, bind
+from vdjax.models.params import Params
+
+
+def default_layer_scan() -> bool:
+    """Whether prefill/decode scan over layer groups by default: not on XLA:CPU (measured, bench/README.md:
+    SmolLM2's valuediff compiles 8.8 s scanned against 31.7 s unrolled on a slow host, but each scan step
+    copies its layer's weight slice before the products: batch-1 decode runs ~1.9x slower), yes on GPU/TPU
+    (one compiled group instead of L unrolled layers; a slice there is a cheap device copy)."""
+    return jax.default_backend() != "cpu"
+
+
+def bucket(n: int) -> int:
+    """Smallest value of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (at most 1.5x apart) that is >= n."""
+    p = 1
+    while True:
+        if p >= n:
+            return p
+        if p >= 2 and p * 3 // 2 >= n:
+            return p * 3 // 2
+        p *= 2
+
+
+def prepare_ids(params: Params, ids: Any, attention_mask: Any = None) -> tuple[np.ndarray, np.ndarray]:
+    """Validate ids ([T], [batch, T] with optional left-padding mask, or ragged lists) -> (rows, lengths).
+
+    Returns rows as a list-free int32 array [batch, T_max] with each row's tokens
+    first, and lengths [batch]. """
+    vocab = params.config.vocab_size
+    ragged = isinstance(ids, (list, tuple)) and ids and isinstance(ids[0], (list, tuple, np.ndarray))
+    if ragged and len({len(r) for r in ids}) > 1:
+        if attention_mask is not None:
+            raise ValueError("attention_mask needs ids of one length [batch, T]; ragged lists need no mask")
+        rows = [np.asarray(r) for r in ids]
+    else:
+        arr = np.asarray(ids)
+        if arr.ndim == 1:
+            arr = arr[None]
+        if arr.ndim != 2:
+            raise ValueError(f"ids must be [T] or [batch, T], got shape {arr.shape}")
+        if attention_mask is None:
+            rows = list(arr)
+        else:
+            mask = np.asarray(attention_mask).astype(bool)
+            if mask.shape != arr.shape:
+                raise ValueError(f"attention_mask shape {mask.shape} must equal ids shape {arr.shape}")
+            rows = []
+            for r, (row, m) in enumerate(zip(arr, mask, strict=True)):
+                idx = np.flatnonzero(m)
+                if idx.size and idx[-1] - idx[0] + 1 != idx.size:
+                    raise ValueError(f"attention_mask row {r} has holes; only left (or right) padding is "
+                                     "allowed")
+                rows.append(row[idx])
+    lengths = np.array([len(r) for r in rows], np.int32)
+    if len(rows) == 0 or lengths.min() == 0:
+        raise ValueError(f"ids must hold at least one token per row, got lengths {lengths.tolist()}")
+    out = np.zeros((len(rows), int(lengths.max())), np.int32)
+    for r, row in enumerate(rows):
+        if not np.issubdtype(row.dtype, np.integer):
+            raise TypeError(f"ids must be integers, got dtype {row.dtype}")
+        bad = row[(row < 0) | (row >= vocab)]
+        if bad.size:
+            raise ValueError(f"ids row {r} has out-of-vocabulary id(s) {bad[:5].tolist()}; allowed "
+                             f"0..{vocab - 1}")
+        out[r, : len(row)] = row
+    return out, lengths
+
+
+def prepare_question(params: Params, question: Any, batch: int) -> np.ndarray:
+    """Validate question ids ([Q] for every row, or one list per row, all of one length) -> [batch, Q]."""
+    rows = question if (isinstance(question, (list, tuple)) and question
+                        and isinstance(question[0], (list, tuple, np.ndarray))) else [question] * batch
+    if len(rows) != batch:
+        raise ValueError(f"question has {len(rows)} rows, ids have {batch}; give one row per prompt or one "
+                         "for all")
+    if len({len(r) for r in rows}) != 1 or len(rows[0]) == 0:
+        raise ValueError(f"question rows must be non-empty and of one length, got {[len(r) for r in rows]}")
+    arr, _ = prepare_ids(params, [list(r) for r in rows])
+    return arr
+
+
+QUESTION_PAD = 32  # question-agnostic protocol: the cache grows by the question length rounded up to this
+
+
+@dataclasses.dataclass
+class Plan:
+    """One call, checked and bound: padded tokens, lengths, block size S, cache slots N, the bound policy."""
+
+    tokens: np.ndarray  # [B, nb * S] each row's tokens first, zeros after
+    lengths: np.ndarray  # [B]
+    block: int
+    slots: int  # cache slots per head: the budget; for dense the padded prompt plus the tokens to come
+    bound: BoundPolicy
+    scan: bool  # scan over layer groups (`default_layer_scan`) instead of unrolling the layers
+
+
+def plan(params, ids, policy: Policy | str, budget, block_size, extra_tokens=0, attention_mask=None,
+         layer_scan=None, **policy_kwargs) -> Plan:
+    """Check the arguments, bind the policy (`policies.bind`: budget first, then its keywords) and fix the
+    shapes (bucketed) of a prefill/generate call. A prompt longer than the model's max_position_embeddings
+    runs, with a warning naming both lengths (as transformers warns)."""
+    if not isinstance(params, Params):
+        raise TypeError(f"params must be vdjax Params (from vdjax.load), got {type(params).__name__}")
+    bound = bind(policy, params, budget, **policy_kwargs)
+    block_size = check_int("block_size", block_size)
+    tokens, lengths = prepare_ids(params, ids, attention_mask)
+    t = int(lengths.max())
+    limit = params.config.max_position_embeddings
+    if limit and t > limit:
+        warnings.warn(f"the prompt has {t} tokens, more than the model's max_position_embeddings={limit}: "
+                      "positions past it were never trained and the output may degrade", stacklevel=3)
+    if block_size >= t:
+        block, nb = bucket(max(t, 16)), 1
+    else:
+        block, nb = block_size, bucket(-(-t // block_size))
+    padded = np.zeros((tokens.shape[0], block * nb), np.int32)
+    padded[:, :t] = tokens
+    slots = cache_rule(bound).slots(bound.budget, block * nb + extra_tokens)
+    if layer_scan is None:
+        layer_scan = default_layer_scan()
+    elif not isinstance(layer_scan, bool):
+        raise TypeError(f"layer_scan must be True, False or None (the backend's default), got {layer_scan!r}")
+    return Plan(padded, lengths, block, slots, bound, layer_scan)

@@ -1,0 +1,282 @@
+"""The jit-compiled programs: block prefill (a `lax.scan` over blocks with a fixed-shape cache carry), the
+dense causal prefill, appending a block without eviction, decode (a `lax.while_loop`, one eviction per layer
+per token) and teacher forcing. Caches enter and leave them in `forms.loop_form`.
+
+Rows of a batch are aligned at their first real token (right padding inside); each row evicts on its own.
+Blocks holding only padding are skipped at run time.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from vdjax.engine.cache import KVCache, LayerCache
+from vdjax.engine.evict import cache_rule, drop_dead, evict, fill_tokens
+from vdjax.engine.forms import layer_weights, loop_form
+from vdjax.engine.policies import BoundPolicy
+from vdjax.engine.sampling import sample, split
+from vdjax.engine.sharding import constrain_cache
+from vdjax.models import transformer as tf
+from vdjax.models.deltanet import LinearState
+from vdjax.models.params import Params
+
+
+def _layer(cfg, bound: BoundPolicy, kind: int, index, lw: dict, lc, x, q_pos):
+    """One layer over a block x [B, S, H]: attention and its candidates' scores, or a Gated DeltaNet step.
+    `kind` (static) is a layer with this layer's settings (type, window, RoPE); `index` the layer's own index
+    (a traced scalar inside the layer scan). Returns (x, the layer's new cache, or an eviction
+    `evict.Pending`)."""
+    if not cfg.attends(kind):  # Gated DeltaNet: its state carries the past, nothing to evict
+        return tf.linear_layer_forward(lw, x, q_pos, lc, cfg)
+    inv_freq, window = tf.layer_settings(cfg, kind)
+    x, k_new, v_new, probs = tf.layer_forward(lw, x, q_pos, lc.k, lc.v, lc.pos, cfg, jnp.asarray(inv_freq),
+                                              window)
+    return x, cache_rule(bound).update(bound, lc, k_new, v_new, probs, q_pos, window, index)
+
+
+def _run_layers(cfg, bound: BoundPolicy, lws: tuple, caches: tuple, x, q_pos, scan: bool):
+    """All layers over one block x [B, S, H] at positions q_pos [B, S], evicting after each layer's attention;
+    `lws`, `caches` in `loop_form`. Returns (x, new caches in loop form).
+
+    Unrolled, every layer has its own weight and cache buffers: XLA reads weights in place and writes only the
+    new rows of each cache, but compiles every layer. With `scan`, one step of `layer_period` layers is
+    compiled once and scanned over the groups; XLA:CPU then copies each layer's weight slice before its
+    matmuls (measured in bench/README.md).
+    """
+    if not scan:
+        out = []
+        for i, (lw, lc) in enumerate(zip(lws, caches, strict=True)):
+            x, update = _layer(cfg, bound, i, i, lw, lc, x, q_pos)
+            out.append(update)
+        return evict(x, out)
+    p = len(lws)
+
+    def group(x, xs):
+        g, ws, cs = xs
+        out = []
+        for j in range(p):
+            x, update = _layer(cfg, bound, j, g * p + j, ws[j], cs[j], x, q_pos)
+            out.append(update)
+        return evict(x, out)
+
+    return jax.lax.scan(group, x, (jnp.arange(cfg.num_layers // p), lws, caches))
+
+
+def _constrain(caches: tuple, mesh, scan: bool) -> tuple:
+    """Inside jit: pin the caches (in loop form) to `sharding.cache_sharding` (a no-op without a mesh)."""
+    if mesh is None:
+        return caches
+    return constrain_cache(KVCache(caches), mesh, stacked=scan).layers
+
+
+@functools.partial(jax.jit, static_argnames=("bound", "slots", "block", "mesh", "scan"))
+def prefill_program(params: Params, tokens, lengths, *, bound: BoundPolicy, slots: int, block: int,
+                    mesh=None, scan: bool = False):
+    """tokens [B, nb*S] (row r real up to lengths[r]) -> (cache with `slots` slots, last logits [B, V]).
+
+    With a mesh the cache carry is pinned to `sharding.cache_sharding` (rows on "data", KV heads on "model").
+    The cache comes back in `loop_form` (stacked over layer groups with
+    `scan`: `unstack` splits it). """
+    cfg = params.config
+    b, t = tokens.shape
+    nb = t // block
+    pos = jnp.arange(t, dtype=jnp.int32)[None, :]
+    q_pos = jnp.where(pos < lengths[:, None], pos, -1)  # [B, T]
+    rule = cache_rule(bound)
+    if rule.causal_prefill:  # nothing is evicted, block boundaries change nothing: one causal pass a layer
+        return _dense_prefill(params, tokens, q_pos, lengths, slots, mesh, scan)
+    per_layer = rule.layer_slots(cfg, slots)
+    fill = fill_tokens(cfg, bound, per_layer, block, t)
+    if fill:  # the blocks before the first eviction: one causal pass (same tokens kept, in the same slots)
+        caches, x = _dense_layers(params, tokens[:, :fill], q_pos[:, :fill], per_layer, scan)
+        last = jnp.clip(lengths - 1, 0, fill - 1)[:, None, None]
+        h_fill = jnp.take_along_axis(x, last, axis=1)[:, 0]  # [B, H]
+        h_last = jnp.where((lengths <= fill)[:, None], h_fill, 0)  # [B, H]
+    else:
+        caches = loop_form(cfg, KVCache.for_model(cfg, b, per_layer, params.dtype).layers, scan)
+        h_last = jnp.zeros((b, cfg.hidden_size), params.dtype)
+    nb -= fill // block
+    if nb == 0:  # the whole prompt fits the cache: no block loop to compile
+        return KVCache(_constrain(caches, mesh, scan)), tf.final_logits(params, h_last)
+    def by_block(a):  # [B, T] -> [nb, B, S]
+        return a[:, fill:].reshape(b, nb, block).swapaxes(0, 1)
+
+    xs = (by_block(tokens), by_block(q_pos))
+    lws = layer_weights(params, scan)  # in loop form, outside the block loop
+    caches = _constrain(caches, mesh, scan)
+
+    def block_step(carry, xs):
+        tok, qp = xs  # [B, S]
+
+        def run(carry):
+            caches, h_last = carry
+            x, caches = _run_layers(cfg, bound, lws, caches, tf.embed(params, tok), qp, scan)
+            caches = _constrain(caches, mesh, scan)
+            is_last = qp == (lengths - 1)[:, None]  # [B, S]
+            h = jnp.sum(jnp.where(is_last[..., None], x, 0), axis=1)
+            return caches, jnp.where(jnp.any(is_last, axis=1)[:, None], h, h_last)
+
+        return jax.lax.cond(jnp.any(qp >= 0), run, lambda c: c, carry), None
+
+    (caches, h_last), _ = jax.lax.scan(block_step, (caches, h_last), xs)
+    return KVCache(caches), tf.final_logits(params, h_last)
+
+
+def _dense_layer(cfg, kind: int, lw: dict, x, q_pos, n: int):
+    """One layer of the causal pass over x [B, T, H]: (x, its cache indexed by position with n >= T slots,
+    padding tokens' rows zeroed, or a Gated DeltaNet layer's state). `kind` as in `_layer`."""
+    b, t = q_pos.shape
+    if not cfg.attends(kind):
+        return tf.linear_layer_forward(lw, x, q_pos, LinearState.empty(cfg, b, x.dtype), cfg)
+    inv_freq, window = tf.layer_settings(cfg, kind)
+    x, k, v = tf.causal_layer_forward(lw, x, q_pos, cfg, jnp.asarray(inv_freq), window)  # k, v [B, K, T, D]
+    pos = drop_dead(jnp.broadcast_to(q_pos[:, None, :], k.shape[:3]), q_pos, window)
+    live = (q_pos >= 0)[:, None, :, None]  # padding rows hold zeros, as the block path leaves them
+    room = [(0, 0), (0, 0), (0, n - t)]
+    return x, LayerCache(jnp.pad(jnp.where(live, k, 0), room + [(0, 0)]),
+                         jnp.pad(jnp.where(live, v, 0), room + [(0, 0)]),
+                         jnp.pad(pos, room, constant_values=-1), jnp.zeros((b, k.shape[1], n), jnp.float32))
+
+
+def _dense_layers(params: Params, tokens, q_pos, slots, scan: bool = False) -> tuple[tuple, jax.Array]:
+    """Every layer over tokens [B, T] at q_pos [B, T] in one causal pass: (caches in `loop_form`, indexed by
+    position with `slots` (an int, or one per layer) >= T slots, padding tokens' rows zeroed; x [B, T, H]).
+    With `scan` the layers run as a `lax.scan` over layer groups (one group compiled, as `_run_layers`)."""
+    cfg = params.config
+    per_layer = (slots,) * cfg.num_layers if isinstance(slots, int) else tuple(slots)
+    x = tf.embed(params, tokens)
+    if not scan:
+        layers = []
+        for i, lw in enumerate(layer_weights(params, False)):
+            x, lc = _dense_layer(cfg, i, lw, x, q_pos, per_layer[i])
+            layers.append(lc)
+        return tuple(layers), x  # (unrolled, the loop form is one entry per layer)
+    lws = layer_weights(params, True)
+    p = len(lws)  # layers i and i + p share type, window and RoPE, hence slots
+
+    def group(x, ws):
+        out = []
+        for j in range(p):
+            x, lc = _dense_layer(cfg, j, ws[j], x, q_pos, per_layer[j])
+            out.append(lc)
+        return x, tuple(out)
+
+    x, groups = jax.lax.scan(group, x, lws)
+    return groups, x
+
+
+def _dense_prefill(params: Params, tokens, q_pos, lengths, slots: int, mesh, scan: bool = False):
+    """Dense prefill, layer by layer over the whole prompt: causal attention that reads only what each query
+    sees (`transformer.causal_attention`), Gated DeltaNet layers in their chunked form. The cache is indexed
+    by position (`slots` >= T: room for the tokens to come); sliding layers drop what no later query
+    sees. The cache in `loop_form`."""
+    layers, x = _dense_layers(params, tokens, q_pos, slots, scan)
+    h_last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, H]
+    return constrain_cache(KVCache(layers), mesh, stacked=scan), tf.final_logits(params, h_last)
+
+
+@functools.partial(jax.jit, static_argnames=("bound", "mesh", "scan"))
+def extend_program(params: Params, cache: KVCache, tokens, q_pos, *, bound: BoundPolicy, mesh=None,
+                   scan: bool = False):
+    """Append one block tokens [B, S] at positions q_pos [B, S] (-1 = padding) -> (cache, last logits [B, V]).
+
+    Used for the question of the question-agnostic protocol: the cache has room for every question token,
+    so the policy scores them but evicts nothing. The cache in and out in `loop_form`.
+    """
+    cfg = params.config
+    caches = _constrain(cache.layers, mesh, scan)
+    x, caches = _run_layers(cfg, bound, layer_weights(params, scan), caches,
+                            tf.embed(params, tokens), q_pos, scan)
+    caches = _constrain(caches, mesh, scan)
+    is_last = q_pos == jnp.max(q_pos, axis=1, keepdims=True)  # [B, S]
+    return KVCache(caches), tf.final_logits(params, jnp.sum(jnp.where(is_last[..., None], x, 0), axis=1))
+
+
+def grow(cache: KVCache, extra: int, scan: bool = False) -> KVCache:
+    """The cache (in `loop_form`) with `extra` empty slots appended to every attention layer and head."""
+    lead = 3 if scan else 2  # [G,] B, K before the slot axis
+
+    def pad(a, value):
+        return jnp.pad(a, [(0, 0)] * lead + [(0, extra)] + [(0, 0)] * (a.ndim - lead - 1),
+                       constant_values=value)
+
+    return KVCache(tuple(LayerCache(pad(lc.k, 0), pad(lc.v, 0), pad(lc.pos, -1), pad(lc.acc, 0))
+                         if isinstance(lc, LayerCache) else lc for lc in cache.layers))
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("bound", "max_out", "temperature", "top_k", "top_p", "min_new", "mesh", "scan"),
+    donate_argnums=(1,),
+)
+def decode_program(params, cache, logits, lengths, key, eos, pad, max_new, *, bound: BoundPolicy, max_out,
+                   temperature, top_k, top_p, min_new=0, mesh=None, live=None, scan: bool = False):
+    """Sample max_new (<= max_out, traced: one program per bucket) tokens into [B, max_out] from the prefill
+    logits, evicting once per layer per step.
+
+    The first `min_new` tokens cannot be EOS (their EOS logits are masked, as HF's min_new_tokens).
+    `live` [B] bool (None = all): rows marked False (the mesh's padding rows) count as done from the start.
+    With a mesh the cache carry is pinned to `sharding.cache_sharding`. The cache
+    in and out in `loop_form`. """
+    b = logits.shape[0]
+    is_eos = jnp.zeros((logits.shape[-1],), bool).at[eos].set(True, mode="drop")  # [V]
+
+    def no_eos_before_min(lg, i):
+        return jnp.where(is_eos & (i < min_new), -jnp.inf, lg) if min_new else lg
+
+    key, sub = split(key)
+    first = sample(no_eos_before_min(logits, 0), sub, temperature, top_k, top_p)
+    out = jnp.full((b, max_out), pad, jnp.int32).at[:, 0].set(first)
+    done = jnp.isin(first, eos)
+    if live is not None:
+        done = done | ~live
+
+    def cond(state):
+        i, _, _, done, _, _ = state
+        return (i < max_new) & ~jnp.all(done)
+
+    cfg = params.config
+    lws = layer_weights(params, scan)  # in loop form, outside the token loop
+
+    def body(state):
+        i, caches, tok, done, out, key = state
+        q_pos = (lengths + i - 1)[:, None]  # [B, 1] the fed token's position
+        x, caches = _run_layers(cfg, bound, lws, caches, tf.embed(params, tok[:, None]), q_pos, scan)
+        caches = _constrain(caches, mesh, scan)
+        key, sub = split(key)
+        nxt = sample(no_eos_before_min(tf.final_logits(params, x[:, 0]), i), sub, temperature, top_k, top_p)
+        nxt = jnp.where(done, pad, nxt)
+        return i + 1, caches, nxt, done | jnp.isin(nxt, eos), out.at[:, i].set(nxt), key
+
+    caches = _constrain(cache.layers, mesh, scan)
+    i, caches, _, _, out, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), caches, first, done, out, key))
+    return out, i, KVCache(caches)
+
+
+@functools.partial(jax.jit, static_argnames=("bound", "scan"))
+def forced_program(params, cache, logits, lengths, cont, *, bound: BoundPolicy, scan: bool = False):
+    """Teacher-forced log p(cont[:, j] | prompt, cont[:, :j]) [B, C] from the prefill's last logits [B, V]:
+    each continuation token is fed as a decode step feeds its sample (one eviction per layer per
+    token). The cache in `loop_form`."""
+    cfg = params.config
+    lws = layer_weights(params, scan)
+
+    def logprob(lg, tok):  # lg [B, V], tok [B] -> [B]
+        lp = jax.nn.log_softmax(lg.astype(jnp.float32), axis=-1)
+        return jnp.take_along_axis(lp, tok[:, None], axis=1)[:, 0]
+
+    def step(caches, xs):
+        j, fed, nxt = xs  # fed [B] at position lengths + j; nxt [B] the token it should predict
+        x, caches = _run_layers(cfg, bound, lws, caches, tf.embed(params, fed[:, None]),
+                                (lengths + j)[:, None], scan)
+        return caches, logprob(tf.final_logits(params, x[:, 0]), nxt)
+
+    c = cont.shape[1]
+    first = logprob(logits, cont[:, 0])
+    xs = (jnp.arange(c - 1), cont[:, :-1].T, cont[:,
+                                                  1:].T)  # step j feeds cont[:, j], predicts cont[:, j + 1]
+    _, rest = jax.lax.scan(step, cache.layers, xs)  # rest [C - 1, B]
+    return jnp.concatenate([first[:, None], rest.T], axis=1)
