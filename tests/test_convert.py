@@ -162,6 +162,7 @@ def test_weights_come_from_the_family_spec(tmp_path):
     """Qwen2 biases and Qwen3 q/k norms load through the spec's declarations, switched on by the config;
     without the switch their keys are unexpected. The spec's expected shapes, abstract tree and random init
     agree with what the converter loads."""
+    from vdjax.models import weights as declared
 
     common = dict(vocab_size=V, hidden_size=H, intermediate_size=F, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=D, tie_word_embeddings=False)
@@ -181,9 +182,9 @@ def test_weights_come_from_the_family_spec(tmp_path):
                     key = f"model.layers.{i}.self_attn.{name}"
                     np.testing.assert_array_equal(np.reshape(weights["layers"][i][target], -1), sd[key])
         assert set(weights["layers"][0]) >= ({"bq", "bk", "bv"} if n == 0 else {"q_norm", "k_norm"})
-        shapes = jax.tree.map(lambda x: x.shape, weights.abstract(cfg))
+        shapes = jax.tree.map(lambda x: x.shape, declared.abstract(cfg))
         assert jax.tree.map(lambda x: x.shape, weights) == shapes
-        assert jax.tree.map(lambda x: x.shape, weights.init_params(cfg).weights) == shapes
+        assert jax.tree.map(lambda x: x.shape, declared.init_params(cfg).weights) == shapes
         plain = dataclasses.replace(cfg, qkv_bias=False, qk_norm=False)
         # without the switch the weights are not expected
         with pytest.raises(ValueError, match="unexpected keys"):
