@@ -82,7 +82,7 @@ def _check_plain_float(model, torch) -> None:
 @contextlib.contextmanager
 def _one_reader():
     """Parse each GGUF file once inside the block: transformers opens a new `gguf.GGUFReader` for the config,
-    the weights and the tokenizer, and each parse of Gemma3's 262k-token vocabulary takes ~16 s here."""
+    the weights and the tokenizer, and each parse of Gemma3's 262k-token vocabulary is slow."""
     import gguf
 
     opened, original = {}, gguf.GGUFReader

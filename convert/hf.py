@@ -252,8 +252,8 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.floa
 
 
 def default_dtype(hf_config: dict) -> Any:
-    """The weight dtype `load` uses by default: float32 on XLA:CPU (measured: a bf16 matrix-vector product,
-    a decode step's work, runs 3.4x slower there than fp32); elsewhere the checkpoint's own `dtype` /
+    """The weight dtype `load` uses by default: float32 on XLA:CPU (its bf16 matrix-vector products, a decode
+    step's work, are slower than fp32 ones); elsewhere the checkpoint's own `dtype` /
     `torch_dtype` (bf16 for most released models), float32 when it names none. Scores and softmax are
     fp32 whatever the weights' dtype."""
     if jax.default_backend() == "cpu":

@@ -42,8 +42,8 @@ def _add_model_args(p, default: str = "smollm2-135m") -> None:
 def _add_layer_scan(p, auto: str) -> None:
     """--layer-scan auto|on|off; `auto` is documented per command."""
     p.add_argument("--layer-scan", choices=("auto", "on", "off"), default="auto",
-                   help="scan over layers (on CPU: compiles 2.4-3.6x faster, but prefill ~7 %% and decode "
-                        f"~2x slower) or unroll them; auto: {auto}")
+                   help="scan over layers (on CPU: faster compiles, slower prefill and decode) or unroll "
+                        f"them; auto: {auto}")
 
 
 EVAL_NOTES = """\

@@ -113,12 +113,12 @@ def _group(tree, g):
 
 
 def unstack(cfg, cache: KVCache, scan: bool) -> KVCache:
-    """Outside jit, the inverse of `loop_form`: a cache as the scanned programs
-    pass it on -> one entry per layer.
+    """Outside jit, the inverse of `loop_form`: a cache as the scanned programs pass it on -> one entry per
+    layer.
 
-    Inside a program the same split is one slice kernel per layer and array (120 for SmolLM2's 30 layers,
-    ~1 s of XLA:CPU compile time per program); here it runs `_group` with a
-    traced index, compiled once. """
+    Inside a program the same split would be one slice kernel per layer and array, compiled into every
+    program; here it runs `_group` with a traced index, compiled once.
+    """
     if not scan:
         return cache
     p = len(cache.layers)

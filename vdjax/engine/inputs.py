@@ -17,10 +17,9 @@ from vdjax.models.params import Params
 
 
 def default_layer_scan() -> bool:
-    """Whether prefill/decode scan over layer groups by default: not on XLA:CPU (measured, bench/README.md:
-    SmolLM2's valuediff compiles 8.8 s scanned against 31.7 s unrolled on a slow host, but each scan step
-    copies its layer's weight slice before the products: batch-1 decode runs ~1.9x slower), yes on GPU/TPU
-    (one compiled group instead of L unrolled layers; a slice there is a cheap device copy)."""
+    """Whether prefill/decode scan over layer groups by default: not on XLA:CPU, where each scan step copies
+    its layer's weight slice before the products (faster compiles, slower programs: bench/README.md), yes on
+    GPU/TPU (one compiled group instead of L unrolled layers; a slice there is a cheap device copy)."""
     return jax.default_backend() != "cpu"
 
 

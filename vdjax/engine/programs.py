@@ -44,7 +44,7 @@ def _run_layers(cfg, bound: BoundPolicy, lws: tuple, caches: tuple, x, q_pos, sc
     Unrolled, every layer has its own weight and cache buffers: XLA reads weights in place and writes only the
     new rows of each cache, but compiles every layer. With `scan`, one step of `layer_period` layers is
     compiled once and scanned over the groups; XLA:CPU then copies each layer's weight slice before its
-    matmuls (measured in bench/README.md).
+    matmuls (the cost per host: bench/README.md).
     """
     if not scan:
         out = []
