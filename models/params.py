@@ -18,9 +18,9 @@ class Params:
     array, its shape and when a config has it are declared once in the family spec (`models/families.py`);
     `vdjax.models.weights.abstract(cfg)` lists them for a config. Layers are separate arrays, not stacked on
     an [L] axis: XLA on CPU copies a layer's slice of a stacked array before each matmul, which doubles the
-    weight traffic of a decode step. The layer scan reads `pipeline.scan_form(params)`: the same weights
-    stacked over layer groups under weights["layer_groups"], made once per
-    params object and kept on it. """
+    weight traffic of a decode step. The layer scan reads `engine.forms.scan_form(params)`: the same weights
+    stacked over layer groups under weights["layer_groups"], made once per params object (`forms.SCAN_FORMS`).
+    """
 
     weights: dict[str, Any]
     config: ModelConfig = flax.struct.field(pytree_node=False)

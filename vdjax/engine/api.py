@@ -82,7 +82,7 @@ def compile_prefill(
     """Compile the prefill program of this call without running it (arguments as `prefill`).
 
     Warms the jit cache: a later `prefill` / `generate` / `run` of the same length bucket compiles no prefill
-    program (count with `vdjax.compilation.count_compiles`).
+    program (count with `vdjax.engine.timing.count_compiles`).
     """
     p = plan(params, ids, policy, budget, block_size, 0, attention_mask, layer_scan, **policy_kwargs)
     x = place(params, p.tokens, p.lengths, mesh, p.scan)
