@@ -13,6 +13,7 @@ import pytest
 import vdjax
 from vdjax.engine import compiler, evict, forms, inputs
 from vdjax.engine.policies import BoundPolicy
+from vdjax.models.config import ModelConfig
 
 from helpers import random_ids, random_params, tiny_config
 
@@ -98,3 +99,26 @@ def test_background_compiles_belong_to_an_object_one_can_join():
     behind.join()
     assert not any(t.is_alive() for t in threads) and len(behind.compiled) == 2
     assert isinstance(compiler.BACKGROUND, compiler.BackgroundCompiler)  # the one `run` uses
+
+
+def test_kept_positions_per_layer_row_and_head(model):
+    """`vdjax.kept_positions(cache)`: sorted absolute positions per layer, row and KV head, whatever the slot
+    order; None for a layer without a KV cache."""
+    rows = [random_ids(40, model.config.vocab_size, 5), random_ids(25, model.config.vocab_size, 6)]
+    cache, _ = vdjax.prefill(model, rows, "keynorm", 12, block_size=8)
+    kept = vdjax.kept_positions(cache)
+    assert len(kept) == model.config.num_layers
+    for layer, lc in zip(kept, cache.layers, strict=True):
+        pos = np.asarray(lc.pos)
+        for r, length in enumerate((40, 25)):
+            for h in range(model.config.num_kv_heads):
+                want = sorted(int(p) for p in pos[r, h] if p >= 0)
+                assert layer[r][h].tolist() == want and len(want) == 12 and max(want) < length
+
+    from test_pipeline import QWEN3_5_TINY  # Gated DeltaNet layers: no KV cache
+
+    hybrid_cfg = ModelConfig(**QWEN3_5_TINY)
+    empty = vdjax.KVCache.for_model(hybrid_cfg, 2, (4,) * hybrid_cfg.num_layers, np.float32)
+    kept = vdjax.kept_positions(empty)
+    assert [k is None for k in kept] == [not hybrid_cfg.attends(i) for i in range(hybrid_cfg.num_layers)]
+    assert all(h.size == 0 for k in kept if k is not None for row in k for h in row)

@@ -24,6 +24,7 @@ from vdjax.engine import (
     generate,
     get_policy,
     keep_mask,
+    kept_positions,
     make_mesh,
     prefill,
     protect_recent,
@@ -39,8 +40,8 @@ from vdjax.text import Answer, answer
 __all__ = [
     "Answer", "answer", "AttnInfo", "BoundPolicy", "Generation", "KVCache", "LayerCache", "POLICIES",
     "Policy", "bind", "combine", "compile_cache", "continuation_logprobs", "generate", "get_policy",
-    "keep_mask", "load", "load_tokenizer", "make_mesh", "prefill", "protect_recent", "protect_sinks",
-    "register", "run", "shard_params", "topk_gather",
+    "keep_mask", "kept_positions", "load", "load_tokenizer", "make_mesh", "prefill", "protect_recent",
+    "protect_sinks", "register", "run", "shard_params", "topk_gather",
 ]
 
 

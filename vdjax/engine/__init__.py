@@ -9,7 +9,7 @@ placement), `compiler` (compiling behind), `api` (the public calls), `timing` (c
 `vdjax.eval` or `vdjax.app`. """
 
 from vdjax.engine.api import Generation, compile_prefill, continuation_logprobs, generate, prefill, run
-from vdjax.engine.cache import KVCache, LayerCache, keep_mask, topk_gather
+from vdjax.engine.cache import KVCache, LayerCache, keep_mask, kept_positions, topk_gather
 from vdjax.engine.policies import (
                                    POLICIES,
                                    AttnInfo,
@@ -26,6 +26,7 @@ from vdjax.engine.sharding import make_mesh, shard_params
 
 __all__ = [
     "AttnInfo", "BoundPolicy", "Generation", "KVCache", "LayerCache", "POLICIES", "Policy", "bind", "combine",
-    "compile_prefill", "continuation_logprobs", "generate", "get_policy", "keep_mask", "make_mesh", "prefill",
-    "protect_recent", "protect_sinks", "register", "run", "shard_params", "topk_gather",
+    "compile_prefill", "continuation_logprobs", "generate", "get_policy", "keep_mask", "kept_positions",
+    "make_mesh", "prefill", "protect_recent", "protect_sinks", "register", "run", "shard_params",
+    "topk_gather",
 ]

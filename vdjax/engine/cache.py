@@ -130,6 +130,18 @@ class KVCache:
         """Valid slots per attention layer, row and head: [La, B, K]."""
         return jnp.stack([jnp.sum(c.pos >= 0, axis=-1) for c in self._kv()])
 
+    def kept_positions(self) -> list[list[list[np.ndarray]] | None]:
+        """Per layer, per row, per KV head: the sorted absolute positions the cache holds (int32 arrays); None
+        for a layer without a KV cache (Gated DeltaNet). For inspecting decisions, whatever the slot order."""
+        out: list[list[list[np.ndarray]] | None] = []
+        for lc in self.layers:
+            if not isinstance(lc, LayerCache):
+                out.append(None)
+                continue
+            pos = np.asarray(lc.pos)  # [B, K, N]
+            out.append([[np.sort(head[head >= 0]).astype(np.int32) for head in row] for row in pos])
+        return out
+
     def nbytes(self) -> int:
         """Bytes held by the cache arrays (DeltaNet states included)."""
         return sum(x.nbytes for x in jax.tree.leaves(self.layers))
@@ -137,6 +149,12 @@ class KVCache:
     def dense_nbytes(self, tokens: int) -> int:
         """Bytes a dense cache of `tokens` tokens would hold: keys and values of every attention layer."""
         return int(sum((c.k.nbytes + c.v.nbytes) / c.pos.shape[-1] for c in self._kv()) * tokens)
+
+
+def kept_positions(cache: KVCache) -> list[list[list[np.ndarray]] | None]:
+    """Per layer, per row, per KV head: the sorted absolute positions `cache` holds (see
+    `KVCache.kept_positions`)."""
+    return cache.kept_positions()
 
 
 def rank_keys(scores: jax.Array, pos: jax.Array) -> jax.Array:
