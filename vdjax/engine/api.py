@@ -26,6 +26,12 @@ from vdjax.engine.sampling import check_sampling, is_row_keys
 from vdjax.models.params import Params
 
 
+def _prefill_args(p: Plan, x: Placed) -> tuple[tuple, dict]:
+    """The prefill program's arguments and static keywords for a planned, placed call."""
+    statics = dict(bound=p.bound, slots=p.slots, block=p.block, scan=p.scan, **x.jit_kw)
+    return (x.params, x.tokens, x.lengths), statics
+
+
 def prefill(
     params: Params,
     ids,
@@ -45,8 +51,8 @@ def prefill(
     """
     p = plan(params, ids, policy, budget, block_size, 0, attention_mask, layer_scan, **policy_kwargs)
     x = place(params, p.tokens, p.lengths, mesh, p.scan)
-    cache, logits = prefill_program(x.params, x.tokens, x.lengths, bound=p.bound, slots=p.slots,
-                                    block=p.block, scan=p.scan, **x.jit_kw)
+    args, statics = _prefill_args(p, x)
+    cache, logits = prefill_program(*args, **statics)
     return x.real((unstack(params.config, cache, p.scan), logits))
 
 
@@ -86,9 +92,8 @@ def compile_prefill(
     """
     p = plan(params, ids, policy, budget, block_size, 0, attention_mask, layer_scan, **policy_kwargs)
     x = place(params, p.tokens, p.lengths, mesh, p.scan)
-    statics = dict(bound=p.bound, slots=p.slots, block=p.block, scan=p.scan, **x.jit_kw)
-    compiled = prefill_program.lower(x.params, x.tokens, x.lengths, **statics).compile()
-    return PrefillProgram(compiled, (x.params, x.tokens, x.lengths), p)
+    args, statics = _prefill_args(p, x)
+    return PrefillProgram(prefill_program.lower(*args, **statics).compile(), args, p)
 
 
 @dataclasses.dataclass
@@ -199,8 +204,8 @@ def run(
     key = _keys(key, x)
     params, lengths = x.params, x.lengths
     t0 = time.perf_counter()
-    cache, logits = prefill_program(params, x.tokens, lengths, bound=p.bound, slots=p.slots, block=p.block,
-                                    scan=p.scan, **x.jit_kw)
+    args, statics = _prefill_args(p, x)
+    cache, logits = prefill_program(*args, **statics)
     if q_ids is not None:
         cache, logits = _append_question(x, p, cache, q_ids, extra_q)
         lengths = lengths + q_ids.shape[1]
@@ -262,7 +267,7 @@ def continuation_logprobs(
     p = plan(params, ids, policy, budget, block_size, cont.shape[1], attention_mask, layer_scan,
              **policy_kwargs)
     x = place(params, p.tokens, p.lengths, scan=p.scan)
-    cache, logits = prefill_program(x.params, x.tokens, x.lengths, bound=p.bound, slots=p.slots,
-                                    block=p.block, scan=p.scan)
+    args, statics = _prefill_args(p, x)
+    cache, logits = prefill_program(*args, **statics)
     return np.asarray(forced_program(x.params, cache, logits, x.lengths, jax.device_put(cont), bound=p.bound,
                                      scan=p.scan))
