@@ -58,7 +58,7 @@ RECORD_FIELDS = (
     "benchmark", "task", "sample_id", "draw", "model", "length", "seed", "protocol", "sampling", "policy",
     "budget", "budget_fraction", "block_size", "hyper", "prediction", "answers", "score", "metric",
     "input_tokens", "new_tokens", "truncated", "prefill_s", "decode_s", "compile_s", "batch", "vdjax_commit",
-    "fingerprint",
+    "fingerprint", "layer_budgets",
 )
 SAMPLING_KEYS = ("temperature", "top_k", "top_p")
 
@@ -428,6 +428,7 @@ def run_call(params, spec: Spec, cfg: Config, rows: list[tuple[Sample, int]], re
             "input_tokens": len(r.context) + len(r.question), "new_tokens": len(new), "truncated": truncated,
             "prefill_s": prefill_s, "decode_s": decode_s, "compile_s": compile_s, "batch": len(rows),
             "vdjax_commit": stamp["commit"], "fingerprint": stamp["fingerprint"],
+            "layer_budgets": None if gen.layer_budgets is None else list(gen.layer_budgets),
         }
 
 

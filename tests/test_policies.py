@@ -89,6 +89,16 @@ def _ref_scores(name, k, v, pos, probs, q_pos, acc, budget, **kw):
                     for r, j in enumerate(order):
                         pooled[j] = padded[r:r + 5].sum() / 5
                 s = np.where(recent(w), np.inf, pooled)
+            elif name == "pyramidkv":  # kvpress's SnapKVPress.score: avg-pooled over the non-window keys only
+                w = kw["window_size"]
+                win = [i for i in valid_q if q_pos[b, i] > last_pos - w]
+                votes = probs[b, h][:, win].sum(1).mean(0)
+                outside = sorted((j for j in np.flatnonzero(val) if not recent(w)[j]), key=lambda j: pos[b, h, j])
+                padded = np.concatenate([np.zeros(2), votes[outside], np.zeros(2)])
+                pooled = np.zeros(C)
+                for r, j in enumerate(outside):
+                    pooled[j] = padded[r:r + 5].sum() / 5
+                s = np.where(recent(w), np.inf, pooled)
             out[b, h] = s
     return out
 
@@ -100,7 +110,7 @@ HYBRID_W = ((0.3, 1.0, 0.0),)  # layer 0: a mix, pure ValueDiff, pure KeyDiff (K
 @pytest.mark.parametrize("name", POLICY_NAMES)
 def test_score_matches_numpy(name):
     k, v, pos, probs, q_pos, acc = _inputs()
-    kw = {"snapkv": {"window": 3}, "hybrid": {"mix": HYBRID_W}}.get(name, {})
+    kw = {"snapkv": {"window": 3}, "hybrid": {"mix": HYBRID_W}, "pyramidkv": {"window_size": 3}}.get(name, {})
     attn = P.AttnInfo(jnp.asarray(probs), jnp.asarray(q_pos), jnp.asarray(acc))
     got = np.asarray(vdjax.get_policy(name)(k, v, attn, jnp.asarray(pos), slots=N, **kw))
     ref = _ref_scores(name, k, v, pos, probs, q_pos, acc, N, **kw)

@@ -18,9 +18,12 @@ from vdjax.engine import (
     KVCache,
     LayerCache,
     Policy,
+    adakv,
     bind,
     combine,
     continuation_logprobs,
+    criticaladakv,
+    criticalkv,
     generate,
     get_policy,
     keep_mask,
@@ -29,6 +32,7 @@ from vdjax.engine import (
     prefill,
     protect_recent,
     protect_sinks,
+    pyramidkv,
     register,
     run,
     shard_params,
@@ -39,9 +43,10 @@ from vdjax.text import Answer, answer
 
 __all__ = [
     "Answer", "answer", "AttnInfo", "BoundPolicy", "Generation", "KVCache", "LayerCache", "POLICIES",
-    "Policy", "bind", "combine", "compile_cache", "continuation_logprobs", "generate", "get_policy",
-    "keep_mask", "kept_positions", "load", "load_tokenizer", "make_mesh", "prefill", "protect_recent",
-    "protect_sinks", "register", "run", "shard_params", "topk_gather",
+    "Policy", "adakv", "bind", "combine", "compile_cache", "continuation_logprobs", "criticaladakv",
+    "criticalkv", "generate", "get_policy", "keep_mask", "kept_positions", "load", "load_tokenizer",
+    "make_mesh", "prefill", "protect_recent", "protect_sinks", "pyramidkv", "register", "run", "shard_params",
+    "topk_gather",
 ]
 
 

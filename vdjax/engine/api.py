@@ -107,13 +107,26 @@ class Generation:
     steps: int  # decode steps run (new tokens - 1)
     policy: str
     hyper: tuple  # the bound keywords, model- and budget-dependent ones resolved
-    budget: int | None  # cache slots per head asked for (None for dense)
-    slots: tuple[int,
-                 ...]  # cache slots per head of each layer (the question protocol's included; 0: no KV cache)
+    budget: int | tuple[int, ...] | None  # slots per head asked for (per attention layer if a sequence;
+    # None for dense)
+    # cache slots of each layer: per head, or a head-adaptive pool's K * N (the question protocol's included;
+    # 0: no KV cache)
+    slots: tuple[int, ...]
+    # per-head budget of each layer as evicted to (N, min(N, W - 1) on a sliding layer, PyramidKV's or the
+    # sequence's N_l; 0: no KV cache); None for dense
+    layer_budgets: tuple[int, ...] | None = None
+
+
+def layer_budgets(cfg, bound, slots: int) -> tuple[int, ...] | None:
+    """The per-head budget each layer evicts to (0 on a layer without a KV cache); None for dense."""
+    if bound.is_dense:
+        return None
+    per = cache_rule(bound).head_budgets(cfg, slots)
+    return tuple(n if cfg.attends(i) else 0 for i, n in enumerate(per))
 
 
 def layer_slot_counts(cache: KVCache) -> tuple[int, ...]:
-    """Slots per head of each layer of a cache (0 for a layer without a KV cache)."""
+    """Slots of each layer of a cache per row: per head, a pool's total (0 for a layer without a KV cache)."""
     return tuple(lc.pos.shape[-1] if isinstance(lc, LayerCache) else 0 for lc in cache.layers)
 
 
@@ -223,7 +236,7 @@ def run(
     steps = int(steps)
     out, cache = x.real((out, unstack(params.config, cache, p.scan)))
     return Generation(out[:, :steps], cache, t1 - t0, t2 - t1, steps - 1, p.bound.name, p.bound.hyper,
-                      p.bound.budget, layer_slot_counts(cache))
+                      p.bound.budget, layer_slot_counts(cache), layer_budgets(params.config, p.bound, p.slots))
 
 
 def generate(

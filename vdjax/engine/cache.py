@@ -21,24 +21,69 @@ from vdjax.models.deltanet import LinearState
 @flax.struct.dataclass
 class LayerCache:
     """One layer's cache: k, v [B, K, N, D]; pos [B, K, N] int32 (-1 empty); acc [B, K, N] accumulated
-    attention."""
+    attention.
+
+    A head-adaptive policy's layer holds a pool instead (`kv_heads` = K > 0): the K heads share P = K * N
+    slots, k, v [B, 1, P, D], pos and acc [B, 1, P], and `head` [B, 1, P] int32 names the KV head each slot
+    belongs to (-1 empty). `view` shows the pool as the usual [B, K, P, ...] layout, each head seeing only
+    its own slots."""
 
     k: jax.Array
     v: jax.Array
     pos: jax.Array
     acc: jax.Array
+    head: Any = None  # [B, 1, P] int32 for a pool, else None
+    kv_heads: int = flax.struct.field(pytree_node=False, default=0)  # K of a pool, 0 for per-head slots
+
+    @property
+    def pooled(self) -> bool:
+        """Whether the layer's heads share one slot pool (head-adaptive budgets)."""
+        return self.kv_heads > 0
 
     @property
     def valid(self) -> jax.Array:
-        """Slots holding a token: [B, K, N] bool."""
+        """Slots holding a token: [B, K, N] bool ([B, 1, P] for a pool)."""
         return self.pos >= 0
 
     @classmethod
-    def empty(cls, batch: int, kv_heads: int, slots: int, head_dim: int, dtype) -> LayerCache:
-        """`slots` empty slots per head."""
+    def empty(cls, batch: int, kv_heads: int, slots: int, head_dim: int, dtype, pooled: bool = False
+              ) -> LayerCache:
+        """`slots` empty slots per head, or (`pooled`) one pool of kv_heads * slots slots."""
+        if pooled:
+            shape = (batch, 1, kv_heads * slots)
+            return cls(k=jnp.zeros(shape + (head_dim,), dtype), v=jnp.zeros(shape + (head_dim,), dtype),
+                       pos=jnp.full(shape, -1, jnp.int32), acc=jnp.zeros(shape, jnp.float32),
+                       head=jnp.full(shape, -1, jnp.int32), kv_heads=kv_heads)
         shape = (batch, kv_heads, slots)
         return cls(k=jnp.zeros(shape + (head_dim,), dtype), v=jnp.zeros(shape + (head_dim,), dtype),
                    pos=jnp.full(shape, -1, jnp.int32), acc=jnp.zeros(shape, jnp.float32))
+
+    def view(self) -> LayerCache:
+        """The per-head layout attention and scores read: a pool's k, v, acc broadcast to [B, K, P, ...] and
+        pos [B, K, P] with the other heads' slots shown empty (-1); the cache itself when not pooled."""
+        if not self.pooled:
+            return self
+        b, _, p = self.pos.shape
+        kh = self.kv_heads
+        mine = self.head == jnp.arange(kh, dtype=jnp.int32)[None, :, None]  # [B, K, P]
+        return LayerCache(jnp.broadcast_to(self.k, (b, kh) + self.k.shape[2:]),
+                          jnp.broadcast_to(self.v, (b, kh) + self.v.shape[2:]),
+                          jnp.where(mine, self.pos, -1), jnp.broadcast_to(self.acc, (b, kh, p)))
+
+    def head_counts(self) -> jax.Array:
+        """Valid slots per row and KV head: [B, K]."""
+        if not self.pooled:
+            return jnp.sum(self.pos >= 0, axis=-1)
+        return jnp.sum(self.view().pos >= 0, axis=-1)
+
+    def head_positions(self) -> list[list[np.ndarray]]:
+        """Per row, per KV head: the sorted absolute positions held (int32 arrays)."""
+        pos = np.asarray(self.pos)  # [B, K, N] or [B, 1, P]
+        if not self.pooled:
+            return [[np.sort(h[h >= 0]).astype(np.int32) for h in row] for row in pos]
+        head = np.asarray(self.head)[:, 0]
+        return [[np.sort(p[0][(hd == h) & (p[0] >= 0)]).astype(np.int32) for h in range(self.kv_heads)]
+                for p, hd in zip(pos, head, strict=True)]
 
 
 @flax.struct.dataclass
@@ -61,10 +106,10 @@ class KVCache:
         return cls(tuple(LayerCache.empty(batch, kv_heads, n, head_dim, dtype) for n in per_layer))
 
     @classmethod
-    def for_model(cls, cfg, batch: int, slots, dtype) -> KVCache:
-        """An empty cache for a model config: `slots[i]` slots per head on each attention layer, a zero state
-        on each Gated DeltaNet layer."""
-        return cls(tuple(LayerCache.empty(batch, cfg.num_kv_heads, slots[i], cfg.head_dim, dtype)
+    def for_model(cls, cfg, batch: int, slots, dtype, pooled: bool = False) -> KVCache:
+        """An empty cache for a model config: `slots[i]` slots per head on each attention layer (`pooled`: one
+        pool of K * slots[i] slots shared by the K heads), a zero state on each Gated DeltaNet layer."""
+        return cls(tuple(LayerCache.empty(batch, cfg.num_kv_heads, slots[i], cfg.head_dim, dtype, pooled)
                          if cfg.attends(i) else LinearState.empty(cfg, batch, dtype)
                          for i in range(cfg.num_layers)))
 
@@ -83,7 +128,7 @@ class KVCache:
 
     @property
     def slots(self) -> tuple[int, ...]:
-        """Slots per head of each attention layer."""
+        """Slots per head of each attention layer (a pool's total: K * N)."""
         return tuple(c.pos.shape[-1] for c in self._kv())
 
     def __len__(self) -> int:
@@ -127,20 +172,13 @@ class KVCache:
         return self._stack("acc", 0.0)
 
     def valid_counts(self):
-        """Valid slots per attention layer, row and head: [La, B, K]."""
-        return jnp.stack([jnp.sum(c.pos >= 0, axis=-1) for c in self._kv()])
+        """Valid slots per attention layer, row and KV head (a pool's counted by head): [La, B, K]."""
+        return jnp.stack([c.head_counts() for c in self._kv()])
 
     def kept_positions(self) -> list[list[list[np.ndarray]] | None]:
         """Per layer, per row, per KV head: the sorted absolute positions the cache holds (int32 arrays); None
         for a layer without a KV cache (Gated DeltaNet). For inspecting decisions, whatever the slot order."""
-        out: list[list[list[np.ndarray]] | None] = []
-        for lc in self.layers:
-            if not isinstance(lc, LayerCache):
-                out.append(None)
-                continue
-            pos = np.asarray(lc.pos)  # [B, K, N]
-            out.append([[np.sort(head[head >= 0]).astype(np.int32) for head in row] for row in pos])
-        return out
+        return [lc.head_positions() if isinstance(lc, LayerCache) else None for lc in self.layers]
 
     def nbytes(self) -> int:
         """Bytes held by the cache arrays (DeltaNet states included)."""
@@ -163,15 +201,18 @@ def rank_keys(scores: jax.Array, pos: jax.Array) -> jax.Array:
     return jnp.where(pos >= 0, s, -jnp.inf)
 
 
-def keep_mask(scores: jax.Array, pos: jax.Array, budget: int) -> jax.Array:
+def keep_mask(scores: jax.Array, pos: jax.Array, budget) -> jax.Array:
     """Which candidates survive: the top `budget` by (score desc, position asc), valid only. [..., C] bool.
 
-    Exact ties keep the earlier position; invalid candidates are never kept, and a set of at most
-    `budget` valid candidates is kept whole.
+    `budget` is an int, or an int array [...] (one budget per leading index, e.g. per head). Exact ties keep
+    the earlier position; invalid candidates are never kept, and a set of at most `budget` valid candidates
+    is kept whole.
     """
     c = scores.shape[-1]
-    if budget >= c:
+    if isinstance(budget, (int, np.integer)) and budget >= c:
         return pos >= 0
+    if not isinstance(budget, (int, np.integer)):
+        budget = jnp.asarray(budget)[..., None]
     s = rank_keys(scores, pos)
     idx = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), s.shape)
     # ascending (score, -pos), invalid before everything of equal score: the first C - budget entries go

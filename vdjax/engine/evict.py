@@ -10,6 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from vdjax.engine.adaptive import adakv_keep, criticaladakv_keep, wo_l1_norm
 from vdjax.engine.cache import (
     LayerCache,
     block_destinations,
@@ -26,12 +27,17 @@ from vdjax.engine.scores import AttnInfo
 class CacheRule:
     """How a bound policy's cache works; `cache_rule` picks it: the one place dense and evicting part.
 
-    Evicting: N slots per head (min(N, W - 1) on a sliding layer), the candidates scored and cut back to N at
-    every block and step, room added for the question-agnostic protocol's question. Dense: indexed by position
-    with room for the whole sequence, nothing evicted, the prefill one causal pass per layer.
+    Evicting: N slots per head (min(N, W - 1) on a sliding layer; N_l per layer with layer budgets), the
+    candidates scored and cut back to N at every block and step, room added for the question-agnostic
+    protocol's question. Head-adaptive (`heads`): a layer's K heads share one pool of K * N slots and the
+    layer keeps its best K * N candidates across heads (`adaptive`). Dense: indexed by position with room for
+    the whole sequence, nothing evicted, the prefill one causal pass per layer.
     """
 
     evicts: bool
+    heads: str | None = None  # head-adaptive rule ("adakv", "criticaladakv"): pooled slots
+    layer_budgets: tuple[int, ...] | None = None  # per-head budget of every layer; None: uniform
+    hyper: tuple = ()  # the bound keywords (the head rule reads its own)
 
     @property
     def causal_prefill(self) -> bool:
@@ -43,40 +49,64 @@ class CacheRule:
         """Whether the question protocol adds slots for the question (dense has room for it already)."""
         return self.evicts
 
-    def slots(self, budget: int | None, sequence: int) -> int:
-        """Slots per head: the budget, or the whole sequence (padded prompt + tokens to come) for dense."""
-        return budget if self.evicts else sequence
+    @property
+    def pooled(self) -> bool:
+        """Whether a layer's heads share one pool of slots."""
+        return self.heads is not None
 
-    def layer_slots(self, cfg, slots: int) -> tuple[int, ...]:
-        """Cache slots per layer: N, but min(N, W - 1) on a sliding layer of an evicting policy (a Gated
-        DeltaNet layer has no KV cache: the entry is unused).
+    def slots(self, budget, sequence: int) -> int:
+        """Slots per head: the budget (the largest layer's with layer budgets), or the whole sequence
+        (padded prompt + tokens to come) for dense."""
+        if not self.evicts:
+            return sequence
+        return max(self.layer_budgets) if self.layer_budgets else budget
+
+    def head_budgets(self, cfg, slots: int) -> tuple[int, ...]:
+        """Per-head budget of every layer: N (N_l with layer budgets), but min(N, W - 1) on a sliding layer of
+        an evicting policy (a Gated DeltaNet layer has no KV cache: the entry is unused).
 
         After every block and step a sliding layer holds only live tokens (next_pos - pos < W), at most W - 1
         of them, so the smaller cache keeps exactly the same tokens. Dense caches are
         indexed by position: N everywhere.
         """
-        return tuple(max(1, min(slots, cfg.window(i) - 1)) if self.evicts and cfg.window(i) is not None
-                     else slots for i in range(cfg.num_layers))
+        if not self.evicts:
+            return (slots,) * cfg.num_layers
+        per = self.layer_budgets or (slots,) * cfg.num_layers
+        return tuple(max(1, min(n, cfg.window(i) - 1)) if cfg.window(i) is not None else max(1, n)
+                     for i, n in enumerate(per))
+
+    def layer_slots(self, cfg, slots: int) -> tuple[int, ...]:
+        """Cache slots of every layer as allocated: `head_budgets` per head, K times that in a pool."""
+        k = cfg.num_kv_heads if self.pooled else 1
+        return tuple(k * n for n in self.head_budgets(cfg, slots))
 
     def update(self, bound: BoundPolicy, lc: LayerCache, k_new, v_new, probs, q_pos, window,
-               layer) -> Pending:
-        """One attention layer's cache update for a block (k_new, v_new [B, K, S, D], probs [B, K, G, S, C]):
-        an evicting policy scores the C = N + S candidates (`evict` plans them together with the other layers
-        of the block); dense writes each token at slot = its position (planned at once)."""
-        if self.evicts:
-            scored = _candidates(bound, lc, k_new, v_new, probs, q_pos, window, layer)
-            return Pending(lc, k_new, v_new, *scored)
-        return Pending(lc, k_new, v_new, *(None,) * 3, *_dense_plan(lc, q_pos, window))
+               layer, weights=None) -> Pending:
+        """One attention layer's cache update for a block (k_new, v_new [B, K, S, D], probs [B, K, G, S, C]
+        over `lc.view()`'s slots, then the block): an evicting policy scores the C = N + S candidates (`evict`
+        plans them together with the other layers of the block; a pool is planned here); dense writes each
+        token at slot = its position (planned at once). `weights`: the layer's, for scores that read them."""
+        if not self.evicts:
+            return Pending(lc, k_new, v_new, *(None,) * 3, *_dense_plan(lc, q_pos, window))
+        if lc.pooled:
+            return _pool_update(self, bound, lc, k_new, v_new, probs, q_pos, window, layer, weights)
+        scored = _candidates(bound, lc, k_new, v_new, probs, q_pos, window, layer, weights)
+        return Pending(lc, k_new, v_new, *scored)
 
 
 def cache_rule(bound: BoundPolicy) -> CacheRule:
-    """The cache rule of a bound policy: dense keeps everything, every other policy evicts."""
-    return CacheRule(evicts=not bound.is_dense)
+    """The cache rule of a bound policy: dense keeps everything, every other policy evicts (in a pool shared
+    by the heads when the policy is head-adaptive, with its per-layer budgets when it has them)."""
+    if bound.is_dense:
+        return CacheRule(evicts=False)
+    return CacheRule(True, bound.policy.heads, bound.layer_budgets, bound.hyper)
 
 
-def _candidates(bound: BoundPolicy, lc: LayerCache, k_new, v_new, probs, q_pos, window, layer):
+def _candidates(bound: BoundPolicy, lc: LayerCache, k_new, v_new, probs, q_pos, window, layer,
+                weights=None, slots: int | None = None):
     """Score one layer's N + S candidates (the cache slots, then the block): (scores [B, K, C] fp32, their
-    positions [B, K, C] (-1 invalid; dead tokens of a sliding layer dropped), accumulated attention)."""
+    positions [B, K, C] (-1 invalid; dead tokens of a sliding layer dropped), accumulated attention).
+    `slots`: the per-head budget the score is told (default the cache's N)."""
     b, kh, s, _ = k_new.shape
     n = lc.pos.shape[-1]
     new_pos = jnp.broadcast_to(q_pos[:, None, :], (b, kh, s))  # [B, K, S]
@@ -85,11 +115,44 @@ def _candidates(bound: BoundPolicy, lc: LayerCache, k_new, v_new, probs, q_pos, 
     if bound.accumulates:
         valid_q = (q_pos >= 0).astype(jnp.float32)[:, None, :, None]  # [B, 1, S, 1]
         acc = acc + jnp.sum(jnp.mean(probs, axis=2) * valid_q, axis=2)
-    attn = AttnInfo(probs=probs, q_pos=q_pos, acc=acc, layer=layer)
+    attn = AttnInfo(probs=probs, q_pos=q_pos, acc=acc, layer=layer, weights=weights)
     cand_k = jnp.concatenate([lc.k, k_new], axis=2)  # [B, K, C, D]
     cand_v = jnp.concatenate([lc.v, v_new], axis=2)
-    scores = bound.score(cand_k, cand_v, attn, cand_pos, slots=n)  # [B, K, C]
+    scores = bound.score(cand_k, cand_v, attn, cand_pos, slots=n if slots is None else slots)  # [B, K, C]
     return scores.astype(jnp.float32), cand_pos, acc
+
+
+def _pool_update(rule: CacheRule, bound: BoundPolicy, pool: LayerCache, k_new, v_new, probs, q_pos, window,
+                 layer, weights) -> Pending:
+    """A head-adaptive layer's update, planned at once: the candidates (each head's pool slots, then the
+    block's tokens for every head) scored in the per-head view, the layer's K * N survivors chosen across
+    heads (`adaptive`), and the surviving new (head, token) pairs written into the freed pool slots."""
+    b, kh, s, d = k_new.shape
+    p = pool.pos.shape[-1]
+    n = p // kh  # per-head budget
+    scores, cand_pos, acc = _candidates(bound, pool.view(), k_new, v_new, probs, q_pos, window, layer,
+                                        weights, slots=n)  # [B, K, P + S]
+    hyper = dict(rule.hyper)
+    if rule.heads == "adakv":
+        keep = adakv_keep(scores, cand_pos, n, hyper["alpha_safeguard"])
+    else:
+        cand_v = jnp.concatenate([pool.view().v, v_new], axis=2)
+        keep = criticaladakv_keep(scores, cand_pos, n, wo_l1_norm(cand_v, weights["wo"]),
+                                  hyper["alpha_safeguard"], hyper["epsilon"], hyper["first_stage_ratio"])
+
+    def flat(a):  # view [B, K, P + S] -> the pool's own candidates [B, 1, P + K * S]
+        old = jnp.take_along_axis(a[:, :, :p], jnp.clip(pool.head, 0, kh - 1), axis=1)  # [B, 1, P]
+        return jnp.concatenate([old, a[:, :, p:].reshape(b, 1, kh * s)], axis=-1)
+
+    keep_f = flat(keep) & jnp.concatenate([pool.head >= 0, jnp.ones((b, 1, kh * s), bool)], axis=-1)
+    pos_f, acc_f = flat(cand_pos), flat(acc)
+    old_pos, dest = block_destinations(keep_f, pos_f, p)  # dest [B, 1, K * S]
+    new_head = jnp.broadcast_to(jnp.repeat(jnp.arange(kh, dtype=jnp.int32), s), (b, 1, kh * s))
+    head = scatter_slots(jnp.where(old_pos >= 0, pool.head, -1), dest, new_head)
+    old_acc = jnp.where(old_pos >= 0, acc_f[..., :p], 0.0)
+    return Pending(pool, k_new.reshape(b, 1, kh * s, d), v_new.reshape(b, 1, kh * s, d), dest=dest,
+                   pos=scatter_slots(old_pos, dest, pos_f[..., p:]),
+                   acc=scatter_slots(old_acc, dest, acc_f[..., p:]), head=head)
 
 
 def drop_dead(p, q_pos, window):
@@ -142,6 +205,7 @@ class Pending:
     dest: Any = None  # [B, K, S]
     pos: Any = None  # [B, K, N]
     acc: Any = None  # [B, K, N]
+    head: Any = None  # a pool's [B, 1, P] head of each slot after the update (k_new, v_new [B, 1, K * S, D])
 
     @property
     def planned(self) -> bool:
@@ -151,7 +215,8 @@ class Pending:
     def apply(self, dest, pos, acc) -> LayerCache:
         """The new layer cache: the new tokens' k, v written at `dest`, nothing else moved."""
         k = select_slots(self.cache.k, dest, self.k_new)  # [B, K, N, D]
-        return LayerCache(k, select_slots(self.cache.v, dest, self.v_new), pos, acc)
+        return LayerCache(k, select_slots(self.cache.v, dest, self.v_new), pos, acc, self.head,
+                          self.cache.kv_heads)
 
 
 def evict(x, updates: list):

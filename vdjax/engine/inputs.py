@@ -12,6 +12,7 @@ import numpy as np
 
 from vdjax.checks import check_int
 from vdjax.engine.evict import cache_rule
+from vdjax.engine.forms import layer_period
 from vdjax.engine.policies import BoundPolicy, Policy, bind
 from vdjax.models.params import Params
 
@@ -102,7 +103,8 @@ class Plan:
     tokens: np.ndarray  # [B, nb * S] each row's tokens first, zeros after
     lengths: np.ndarray  # [B]
     block: int
-    slots: int  # cache slots per head: the budget; for dense the padded prompt plus the tokens to come
+    slots: int  # cache slots per head: the budget (the largest layer's); for dense the padded prompt plus the
+    # tokens to come
     bound: BoundPolicy
     scan: bool  # scan over layer groups (`default_layer_scan`) instead of unrolling the layers
 
@@ -128,9 +130,21 @@ def plan(params, ids, policy: Policy | str, budget, block_size, extra_tokens=0, 
         block, nb = block_size, bucket(-(-t // block_size))
     padded = np.zeros((tokens.shape[0], block * nb), np.int32)
     padded[:, :t] = tokens
-    slots = cache_rule(bound).slots(bound.budget, block * nb + extra_tokens)
-    if layer_scan is None:
-        layer_scan = default_layer_scan()
-    elif not isinstance(layer_scan, bool):
+    bound = bound.for_length(params.config, t)  # a layer rule's budgets (PyramidKV) for this prompt length
+    rule = cache_rule(bound)
+    slots = rule.slots(bound.budget, block * nb + extra_tokens)
+    if layer_scan is not None and not isinstance(layer_scan, bool):
         raise TypeError(f"layer_scan must be True, False or None (the backend's default), got {layer_scan!r}")
+    periodic = _periodic(params.config, rule.layer_slots(params.config, slots))
+    if layer_scan is None:
+        layer_scan = default_layer_scan() and periodic
+    elif layer_scan and not periodic:
+        raise ValueError("layer_scan=True needs the same cache size on layers i and i + p (the scan's step); "
+                         f"these layer budgets differ by layer: {bound.layer_budgets}. Pass layer_scan=False")
     return Plan(padded, lengths, block, slots, bound, layer_scan)
+
+
+def _periodic(cfg, per_layer: tuple[int, ...]) -> bool:
+    """Whether layers i and i + p (the layer scan's step) have caches of one size."""
+    p = layer_period(cfg)
+    return all(per_layer[i] == per_layer[i % p] for i in range(cfg.num_layers))

@@ -10,6 +10,7 @@ policies are one function and one `register` line away:
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -18,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from vdjax.checks import check_int
+from vdjax.engine.adaptive import check_fraction, critical_scores, pyramid_budgets, wo_l1_norm
 from vdjax.engine.mixes import bind_mix, calibrated, hybrid
 from vdjax.engine.scores import (
     _INF,
@@ -30,6 +32,7 @@ from vdjax.engine.scores import (
     keynorm,
     manifoldkv,
     snapkv,
+    snapkv_kvpress,
     standardize,
     streaming,
     tova,
@@ -39,8 +42,9 @@ from vdjax.engine.scores import (
     valuediff_norm,
 )
 
-__all__ = ["AttnInfo", "BoundPolicy", "POLICIES", "Policy", "bind", "combine", "default_policies",
-           "get_policy", "protect_recent", "protect_sinks", "register", "standardize"]
+__all__ = ["AttnInfo", "BoundPolicy", "POLICIES", "Policy", "adakv", "bind", "combine", "criticaladakv",
+           "criticalkv", "default_policies", "get_policy", "protect_recent", "protect_sinks", "pyramidkv",
+           "register", "standardize"]
 
 
 # ---- registry -------------------------------------------------------------------------------------------
@@ -56,6 +60,9 @@ class Policy:
     # (checkpoint folder) -> whether the model has the calibration data the policy needs by default
     # (e.g. hybrid's fitted weights); None: the policy needs none
     calibration: Callable[[Any], bool] | None = None
+    heads: str | None = None  # head-adaptive rule ("adakv", "criticaladakv"): the K heads share K * N slots
+    # (num_layers, n, t, hyper dict) -> per-layer budgets for a prompt of t tokens (PyramidKV); None: uniform
+    layers: Callable[..., tuple[int, ...]] | None = None
 
     def calibrated(self, folder) -> bool:
         """Whether the model in `folder` has what this policy needs to run with its defaults."""
@@ -93,7 +100,30 @@ class BoundPolicy:
 
     policy: Policy
     hyper: tuple[tuple[str, Any], ...]
-    budget: int | None  # cache slots per head asked for; None for dense (it keeps everything)
+    budget: int | tuple[int, ...] | None  # slots per head asked for (one per attention layer when a
+    # sequence); None for dense (it keeps everything)
+    # per-head budget of every layer (0 on a layer without a KV cache) when they differ by layer: the budget
+    # sequence, or the policy's layer rule applied to the prompt length (`for_length`); None: uniform
+    layer_budgets: tuple[int, ...] | None = None
+
+    @property
+    def mean_budget(self) -> int | None:
+        """The budget per head and layer on average (the budget itself when uniform)."""
+        if self.budget is None or isinstance(self.budget, int):
+            return self.budget
+        return round(sum(self.budget) / len(self.budget))
+
+    def for_length(self, cfg, t: int) -> BoundPolicy:
+        """Bound with the per-layer budgets of a prompt of t tokens filled in: the policy's layer rule (e.g.
+        PyramidKV's) at the mean budget; unchanged for a uniform policy or a budget sequence."""
+        if self.policy.layers is None or self.budget is None:
+            return self
+        if not isinstance(self.budget, int):
+            raise ValueError(f"policy {self.name!r} sets its own layer budgets; give budget=N (an int), got "
+                             f"{list(self.budget)}")
+        per = self.policy.layers(cfg.num_layers, self.budget, t, dict(self.hyper))
+        return dataclasses.replace(self, layer_budgets=tuple(n if cfg.attends(i) else 0
+                                                             for i, n in enumerate(per)))
 
     @property
     def name(self) -> str:
@@ -120,13 +150,35 @@ def bind(policy: Policy | str, params, budget: int | None = None, **policy_kwarg
     >= 1; dense ignores it), then its keywords (unknown ones refused) and the model- and budget-dependent ones
     (e.g. hybrid's saved mix for that budget)."""
     pol = get_policy(policy)
+    layer_budgets = None
     if pol.is_dense:
         budget = None
     elif budget is None:
         raise ValueError(f"policy {pol.name!r} needs budget=N (cache slots per head); only 'dense' does not")
+    elif isinstance(budget, (list, tuple)) or (hasattr(budget, "ndim") and budget.ndim == 1):
+        budget, layer_budgets = _layer_sequence(params.config, budget)
     else:
         budget = check_int("budget", budget)
-    return BoundPolicy(pol, pol.bind_hyper(params, pol.hyper(**policy_kwargs), budget), budget)
+    hyper = pol.bind_hyper(params, pol.hyper(**policy_kwargs), _mean(budget))
+    return BoundPolicy(pol, hyper, budget, layer_budgets)
+
+
+def _mean(budget):
+    """The mean of a budget sequence (what a budget-dependent keyword, e.g. hybrid's mix, is looked up at)."""
+    return budget if budget is None or isinstance(budget, int) else round(sum(budget) / len(budget))
+
+
+def _layer_sequence(cfg, budget) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A per-layer budget sequence checked: one integer >= 1 per attention layer -> (the sequence, the budget
+    of every layer with 0 on a layer without a KV cache)."""
+    attending = [i for i in range(cfg.num_layers) if cfg.attends(i)]
+    values = list(budget)
+    if len(values) != len(attending):
+        raise ValueError(f"budget has {len(values)} entries; a per-layer budget needs one per attention layer "
+                         f"({len(attending)} in this model)")
+    values = [check_int(f"budget[{j}]", int(b) if hasattr(b, "item") else b) for j, b in enumerate(values)]
+    per = dict(zip(attending, values, strict=True))
+    return tuple(values), tuple(per.get(i, 0) for i in range(cfg.num_layers))
 
 
 POLICIES: dict[str, Policy] = {}
@@ -147,6 +199,11 @@ def register(policy: Policy, *, replace: bool = False) -> Policy:
     return policy
 
 
+def _pyramid_rule(num_layers: int, n: int, t: int, hyper: dict) -> tuple[int, ...]:
+    """PyramidKV's layer budgets (`adaptive.pyramid_budgets`) from a policy's `beta` and `window_size`."""
+    return pyramid_budgets(num_layers, n, t, hyper["beta"], check_int("window_size", hyper["window_size"]))
+
+
 for _p in (
     Policy("dense", None),
     Policy("valuediff", valuediff),
@@ -162,6 +219,8 @@ for _p in (
     Policy("h2o", h2o, (("n_recent", None),), accumulates=True),
     Policy("fastcaote", fastcaote),
     Policy("hybrid", hybrid, (("mix", None),), bind=bind_mix, calibration=calibrated),
+    Policy("pyramidkv", snapkv_kvpress, (("beta", 20), ("kernel", 5), ("window_size", 64)),
+           layers=_pyramid_rule),
 ):
     register(_p)
     BUILTIN.add(_p.name)
@@ -232,6 +291,10 @@ def combine(weights: Mapping[Policy | str, float], name: str | None = None) -> P
     parts = tuple((get_policy(p), float(w)) for p, w in weights.items())
     if not parts or any(p.is_dense for p, _ in parts):
         raise ValueError(f"combine needs one or more non-dense policies, got {list(weights)}")
+    adaptive = [p.name for p, _ in parts if p.heads is not None or p.layers is not None]
+    if adaptive:
+        raise ValueError(f"combine mixes scores; {adaptive} set budgets: wrap the combination instead "
+                         "(e.g. vdjax.adakv(vdjax.combine(...)))")
     defaults = tuple(sorted({kv for p, _ in parts for kv in p.defaults}))
     return Policy(
         name or "+".join(f"{w:g}*{p.name}" for p, w in parts),
@@ -241,7 +304,94 @@ def combine(weights: Mapping[Policy | str, float], name: str | None = None) -> P
     )
 
 
+# ---- adaptive budgets: wrappers around any evicting policy ----------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Base:
+    """The wrapped policy's score, called with its own keywords only (the wrapper's are not its business)."""
+
+    base: Policy
+
+    def __call__(self, k, v, attn, pos, *, slots, **kw):
+        own = {name: kw[name] for name, _ in self.base.defaults if name in kw}
+        return self.base.score(k, v, attn, pos, slots=slots, **own)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Critical(_Base):
+    """CriticalKV around the base's score (`adaptive.critical_scores`), the layer's W_o from `attn.weights`."""
+
+    def __call__(self, k, v, attn, pos, *, slots, **kw):
+        if attn.weights is None or "wo" not in attn.weights:
+            raise ValueError("criticalkv needs the layer's output projection: call it with AttnInfo(weights="
+                             "{'wo': [Nq, D, H]}) (the engine passes every layer's weights)")
+        scores = super().__call__(k, v, attn, pos, slots=slots, **kw)
+        return critical_scores(scores, pos, slots, wo_l1_norm(v, attn.weights["wo"]),
+                               kw["epsilon"], kw["first_stage_ratio"])
+
+
+def _wrap(kind: str, policy: Policy | str, keywords: dict, score=_Base, **fields) -> Policy:
+    """A wrapper `kind` around an evicting policy: its keywords added to the base's (refused if they clash)."""
+    base = _evicting(policy, kind)
+    clash = sorted(set(keywords) & {name for name, _ in base.defaults})
+    if clash:
+        raise ValueError(f"{kind} cannot wrap {base.name!r}: both have the keyword(s) {clash} (already wrapped?)")
+    return dataclasses.replace(base, name=f"{kind}:{base.name}", score=score(base),
+                               defaults=tuple(sorted(base.defaults + tuple(keywords.items()))), **fields)
+
+
+def _check_heads(kind: str, base: Policy) -> None:
+    if base.heads is not None:
+        raise ValueError(f"{kind} cannot wrap {base.name!r}: it already shares its heads' slots ({base.heads})")
+
+
+def adakv(policy: Policy | str, alpha_safeguard: float = 0.2) -> Policy:
+    """Head-adaptive budgets (AdaKV): at every eviction a layer keeps its best K * N candidates across its K
+    KV heads, each head first keeping its own top max(1, floor(alpha_safeguard * N)); the heads share one pool
+    of K * N slots, so the memory is the uniform cache's."""
+    base = _evicting(policy, "adakv")
+    _check_heads("adakv", base)
+    return _wrap("adakv", base, {"alpha_safeguard": check_fraction("alpha_safeguard", alpha_safeguard)},
+                 heads="adakv")
+
+
+def criticalkv(policy: Policy | str, epsilon: float = 1e-4, first_stage_ratio: float = 0.5) -> Policy:
+    """CriticalKV: the base's top `first_stage_ratio * N` candidates kept outright, the rest ranked by
+    (score + epsilon) * ||W_o v||_1 (mean over the GQA group). The memory is the base's."""
+    kw = {"epsilon": check_fraction("epsilon", epsilon, 0.0, math.inf),
+          "first_stage_ratio": check_fraction("first_stage_ratio", first_stage_ratio)}
+    return _wrap("criticalkv", policy, kw, score=_Critical)
+
+
+def criticaladakv(policy: Policy | str, alpha_safeguard: float = 0.2, epsilon: float = 1e-4,
+                  first_stage_ratio: float = 0.5) -> Policy:
+    """CriticalAdaKV: head budgets by the AdaKV rule from the base's scores, then CriticalKV's two stages
+    inside each head's budget (kvpress's `CriticalAdaKVPress`, each row on its own); K * N pooled slots."""
+    base = _evicting(policy, "criticaladakv")
+    _check_heads("criticaladakv", base)
+    kw = {"alpha_safeguard": check_fraction("alpha_safeguard", alpha_safeguard),
+          "epsilon": check_fraction("epsilon", epsilon, 0.0, math.inf),
+          "first_stage_ratio": check_fraction("first_stage_ratio", first_stage_ratio)}
+    return _wrap("criticaladakv", base, kw, heads="criticaladakv")
+
+
+def pyramidkv(policy: Policy | str, beta: float = 20, window_size: int = 64) -> Policy:
+    """PyramidKV's layer budgets around any policy: per-layer budgets falling linearly from the first layer
+    to the last (`adaptive.pyramid_budgets`, the prompt length as T), summing to L * N up to rounding. The
+    registered `pyramidkv` is kvpress's PyramidKVPress itself (SnapKV scores, kvpress's pooling)."""
+    base = _evicting(policy, "pyramidkv")
+    if base.layers is not None:
+        raise ValueError(f"pyramidkv cannot wrap {base.name!r}: it already sets its layer budgets")
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or beta < 1:
+        raise ValueError(f"beta must be a number >= 1, got {beta!r}")
+    return _wrap("pyramidkv", base, {"beta": beta, "window_size": check_int("window_size", window_size)},
+                 layers=_pyramid_rule)
+
+
+WRAPPERS: dict[str, Callable[..., Policy]] = {"adakv": adakv, "criticalkv": criticalkv,
+                                              "criticaladakv": criticaladakv, "pyramidkv": pyramidkv}
+
 _SUFFIX = re.compile(r"\+(sinks|recent)(\d+)$")
+_WRAPPED = re.compile(r"^(" + "|".join(WRAPPERS) + r"):(.+)$")
 
 
 def get_policy(policy: Policy | str) -> Policy:
@@ -250,6 +400,9 @@ def get_policy(policy: Policy | str) -> Policy:
         return policy
     if not isinstance(policy, str):
         raise TypeError(f"policy must be a name or a Policy, got {type(policy).__name__}: {policy!r}")
+    w = _WRAPPED.match(policy)
+    if w:
+        return WRAPPERS[w.group(1)](get_policy(w.group(2)))
     m = _SUFFIX.search(policy)
     if m:
         base = get_policy(policy[: m.start()])
@@ -257,6 +410,7 @@ def get_policy(policy: Policy | str) -> Policy:
     if policy not in POLICIES:
         raise ValueError(
             f"unknown policy {policy!r}; registered: {sorted(POLICIES)} "
-            "(suffix '+sinksN' or '+recentN' protects the first/last N positions)"
+            "(suffix '+sinksN' or '+recentN' protects the first/last N positions; prefix 'adakv:', "
+            "'criticalkv:', 'criticaladakv:' or 'pyramidkv:' wraps a policy in adaptive budgets)"
         )
     return POLICIES[policy]

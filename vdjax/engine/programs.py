@@ -32,9 +32,10 @@ def _layer(cfg, bound: BoundPolicy, kind: int, index, lw: dict, lc, x, q_pos):
     if not cfg.attends(kind):  # Gated DeltaNet: its state carries the past, nothing to evict
         return tf.linear_layer_forward(lw, x, q_pos, lc, cfg)
     inv_freq, window = tf.layer_settings(cfg, kind)
-    x, k_new, v_new, probs = tf.layer_forward(lw, x, q_pos, lc.k, lc.v, lc.pos, cfg, jnp.asarray(inv_freq),
-                                              window)
-    return x, cache_rule(bound).update(bound, lc, k_new, v_new, probs, q_pos, window, index)
+    view = lc.view()  # a head-adaptive pool as [B, K, P, ...], each head seeing its own slots
+    x, k_new, v_new, probs = tf.layer_forward(lw, x, q_pos, view.k, view.v, view.pos, cfg,
+                                              jnp.asarray(inv_freq), window)
+    return x, cache_rule(bound).update(bound, lc, k_new, v_new, probs, q_pos, window, index, lw)
 
 
 def _run_layers(cfg, bound: BoundPolicy, lws: tuple, caches: tuple, x, q_pos, scan: bool):
@@ -88,15 +89,17 @@ def prefill_program(params: Params, tokens, lengths, *, bound: BoundPolicy, slot
     rule = cache_rule(bound)
     if rule.causal_prefill:  # nothing is evicted, block boundaries change nothing: one causal pass a layer
         return _dense_prefill(params, tokens, q_pos, lengths, slots, mesh, scan)
-    per_layer = rule.layer_slots(cfg, slots)
-    fill = fill_tokens(cfg, bound, per_layer, block, t)
+    per_head = rule.head_budgets(cfg, slots)
+    fill = fill_tokens(cfg, bound, per_head, block, t)
     if fill:  # the blocks before the first eviction: one causal pass (same tokens kept, in the same slots)
-        caches, x = _dense_layers(params, tokens[:, :fill], q_pos[:, :fill], per_layer, scan)
+        caches, x = _dense_layers(params, tokens[:, :fill], q_pos[:, :fill], per_head, scan)
+        if rule.pooled:
+            caches = tuple(to_pool(c) for c in caches)
         last = jnp.clip(lengths - 1, 0, fill - 1)[:, None, None]
         h_fill = jnp.take_along_axis(x, last, axis=1)[:, 0]  # [B, H]
         h_last = jnp.where((lengths <= fill)[:, None], h_fill, 0)  # [B, H]
     else:
-        caches = loop_form(cfg, KVCache.for_model(cfg, b, per_layer, params.dtype).layers, scan)
+        caches = loop_form(cfg, KVCache.for_model(cfg, b, per_head, params.dtype, rule.pooled).layers, scan)
         h_last = jnp.zeros((b, cfg.hidden_size), params.dtype)
     nb -= fill // block
     if nb == 0:  # the whole prompt fits the cache: no block loop to compile
@@ -123,6 +126,23 @@ def prefill_program(params: Params, tokens, lengths, *, bound: BoundPolicy, slot
 
     (caches, h_last), _ = jax.lax.scan(block_step, (caches, h_last), xs)
     return KVCache(caches), tf.final_logits(params, h_last)
+
+
+def to_pool(lc):
+    """A per-head cache (k, v [..., K, N, D], pos, acc [..., K, N]; leading layer-group axes allowed) as a
+    head-adaptive pool of K * N slots holding the same tokens (head h's in slots h*N .. h*N + N - 1); a Gated
+    DeltaNet state as it is."""
+    if not isinstance(lc, LayerCache):
+        return lc
+    *lead, kh, n = lc.pos.shape
+
+    def merge(a):  # [..., K, N, *E] -> [..., 1, K * N, *E]
+        nd = len(lead)
+        return a.reshape(*a.shape[:nd], 1, kh * n, *a.shape[nd + 2:])
+
+    owner = jnp.broadcast_to(jnp.repeat(jnp.arange(kh, dtype=jnp.int32), n), (*lead, 1, kh * n))
+    pos = merge(lc.pos)
+    return LayerCache(merge(lc.k), merge(lc.v), pos, merge(lc.acc), jnp.where(pos >= 0, owner, -1), kh)
 
 
 def _dense_layer(cfg, kind: int, lw: dict, x, q_pos, n: int):
@@ -203,8 +223,16 @@ def grow(cache: KVCache, extra: int, scan: bool = False) -> KVCache:
         return jnp.pad(a, [(0, 0)] * lead + [(0, extra)] + [(0, 0)] * (a.ndim - lead - 1),
                        constant_values=value)
 
-    return KVCache(tuple(LayerCache(pad(lc.k, 0), pad(lc.v, 0), pad(lc.pos, -1), pad(lc.acc, 0))
-                         if isinstance(lc, LayerCache) else lc for lc in cache.layers))
+    def grown(lc):  # a pool grows by K * extra: every head's question tokens fit
+        if lc.pooled:
+            more = extra * lc.kv_heads
+            return LayerCache(*(jnp.pad(a, [(0, 0)] * lead + [(0, more)] + [(0, 0)] * (a.ndim - lead - 1),
+                                        constant_values=f)
+                                for a, f in ((lc.k, 0), (lc.v, 0), (lc.pos, -1), (lc.acc, 0), (lc.head, -1))),
+                              lc.kv_heads)
+        return LayerCache(pad(lc.k, 0), pad(lc.v, 0), pad(lc.pos, -1), pad(lc.acc, 0))
+
+    return KVCache(tuple(grown(lc) if isinstance(lc, LayerCache) else lc for lc in cache.layers))
 
 
 @functools.partial(

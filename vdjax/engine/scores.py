@@ -26,12 +26,16 @@ _INF = jnp.inf
 
 @flax.struct.dataclass
 class AttnInfo:
-    """What attention-based scores may read about the current block's queries."""
+    """What a score may read beyond the candidates' k, v and positions: the block's queries' attention, the
+    accumulated attention, the layer's index and weights (the one context object every score receives)."""
 
     probs: jax.Array  # [B, K, G, S, C] softmax weights of the block's queries over the candidates
     q_pos: jax.Array  # [B, S] absolute query positions, -1 = padding
     acc: jax.Array  # [B, K, C] attention accumulated over every query so far (GQA mean), incl. this block
     layer: Any = 0  # index of the layer being scored (an int, or a traced int32 inside the layer scan)
+    # the layer's weights as the model holds them (e.g. "wo" [Nq, D, H], the output projection per query
+    # head, which CriticalKV reads); None where a score is called outside the engine
+    weights: Any = None
 
     @property
     def last_index(self) -> jax.Array:
@@ -163,6 +167,16 @@ def snapkv(k, v, attn, pos, *, window: int = 32, kernel: int | None = None, pool
     votes = jnp.sum(attn.probs * in_window[:, None, None, :, None], axis=3)  # [B, K, G, C]
     pooled = _pool_by_position(jnp.mean(votes, axis=2), pos, kernel, pooling)
     return jnp.where(_recent(pos, attn, window), _INF, pooled)
+
+
+def snapkv_kvpress(k, v, attn, pos, *, window_size: int = 64, kernel: int = 5, **_):
+    """SnapKV as kvpress's `SnapKVPress.score`: the last `window_size` queries' attention, GQA mean, average-
+    pooled (`kernel`, zero padding) over the candidates outside the window only; the window always kept."""
+    in_window = (attn.q_pos >= 0) & (attn.q_pos > attn.last_pos[:, None] - window_size)  # [B, S]
+    votes = jnp.sum(attn.probs * in_window[:, None, None, :, None], axis=3)  # [B, K, G, C]
+    recent = _recent(pos, attn, window_size)
+    pooled = _pool_by_position(jnp.mean(votes, axis=2), jnp.where(recent, -1, pos), kernel, "avg")
+    return jnp.where(recent, _INF, pooled)
 
 
 def bind_snapkv(params, hyper, budget=None):
