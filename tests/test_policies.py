@@ -93,7 +93,8 @@ def _ref_scores(name, k, v, pos, probs, q_pos, acc, budget, **kw):
                 w = kw["window_size"]
                 win = [i for i in valid_q if q_pos[b, i] > last_pos - w]
                 votes = probs[b, h][:, win].sum(1).mean(0)
-                outside = sorted((j for j in np.flatnonzero(val) if not recent(w)[j]), key=lambda j: pos[b, h, j])
+                outside = sorted((j for j in np.flatnonzero(val) if not recent(w)[j]),
+                                 key=lambda j: pos[b, h, j])
                 padded = np.concatenate([np.zeros(2), votes[outside], np.zeros(2)])
                 pooled = np.zeros(C)
                 for r, j in enumerate(outside):

@@ -1,7 +1,8 @@
 """The engine: the evicting KV cache, policies, the jit programs of block prefill and decode, sampling and
 sharding.
 
-Modules: `cache` (slots and top-k), `scores` (score functions), `policies` (registry, binding, composition), `adaptive` (layer and head budgets),
+Modules: `cache` (slots and top-k), `scores` (score functions), `policies` (registry, binding, composition),
+`adaptive` (layer and head budgets),
 `mixes` (the hybrid's score and saved mixes), `inputs` (checks, buckets, `plan`), `forms` (unrolled / scanned
 layer forms), `evict` (scoring and planning an eviction), `programs` (the jit programs), `placement` (mesh
 placement), `compiler` (compiling behind), `api` (the public calls), `timing` (compile-aware timings),

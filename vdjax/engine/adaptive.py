@@ -1,8 +1,8 @@
 """Adaptive budgets: how a layer's or a head's share of the cache is decided (pure functions).
 
 * Layer budgets (`pyramid_budgets`): PyramidKV's rule as kvpress 0.5.5's `PyramidKVPress.get_layer_budget`
-  (KVCache-Factory's), with kvpress's `T * (1 - compression_ratio)` read as the per-head budget N and `T` as the
-  prompt length; the layers' budgets sum to L * N up to rounding, so the memory is the uniform cache's.
+  (KVCache-Factory's), with kvpress's `T * (1 - compression_ratio)` read as the per-head budget N and `T` as
+  the prompt length; the layers' budgets sum to L * N up to rounding, so the memory is the uniform cache's.
 * Head-adaptive selection (`adakv_keep`, `criticaladakv_keep`): a layer's K heads share K * N slots; at every
   eviction the layer keeps its best K * N candidates across heads (scores of different heads compared
   directly, as kvpress does), each head first keeping its own top `safeguard(N, alpha)`.

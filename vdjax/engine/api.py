@@ -236,7 +236,8 @@ def run(
     steps = int(steps)
     out, cache = x.real((out, unstack(params.config, cache, p.scan)))
     return Generation(out[:, :steps], cache, t1 - t0, t2 - t1, steps - 1, p.bound.name, p.bound.hyper,
-                      p.bound.budget, layer_slot_counts(cache), layer_budgets(params.config, p.bound, p.slots))
+                      p.bound.budget, layer_slot_counts(cache),
+                      layer_budgets(params.config, p.bound, p.slots))
 
 
 def generate(

@@ -174,8 +174,8 @@ def _layer_sequence(cfg, budget) -> tuple[tuple[int, ...], tuple[int, ...]]:
     attending = [i for i in range(cfg.num_layers) if cfg.attends(i)]
     values = list(budget)
     if len(values) != len(attending):
-        raise ValueError(f"budget has {len(values)} entries; a per-layer budget needs one per attention layer "
-                         f"({len(attending)} in this model)")
+        raise ValueError(f"budget has {len(values)} entries; a per-layer budget needs one per attention "
+                         f"layer ({len(attending)} in this model)")
     values = [check_int(f"budget[{j}]", int(b) if hasattr(b, "item") else b) for j, b in enumerate(values)]
     per = dict(zip(attending, values, strict=True))
     return tuple(values), tuple(per.get(i, 0) for i in range(cfg.num_layers))
@@ -318,7 +318,7 @@ class _Base:
 
 @dataclasses.dataclass(frozen=True)
 class _Critical(_Base):
-    """CriticalKV around the base's score (`adaptive.critical_scores`), the layer's W_o from `attn.weights`."""
+    """CriticalKV around the base's score (`adaptive.critical_scores`); W_o from `attn.weights`."""
 
     def __call__(self, k, v, attn, pos, *, slots, **kw):
         if attn.weights is None or "wo" not in attn.weights:
@@ -330,18 +330,20 @@ class _Critical(_Base):
 
 
 def _wrap(kind: str, policy: Policy | str, keywords: dict, score=_Base, **fields) -> Policy:
-    """A wrapper `kind` around an evicting policy: its keywords added to the base's (refused if they clash)."""
+    """A wrapper `kind` around an evicting policy, its keywords added to the base's (refused on a clash)."""
     base = _evicting(policy, kind)
     clash = sorted(set(keywords) & {name for name, _ in base.defaults})
     if clash:
-        raise ValueError(f"{kind} cannot wrap {base.name!r}: both have the keyword(s) {clash} (already wrapped?)")
+        raise ValueError(f"{kind} cannot wrap {base.name!r}: both have the keyword(s) {clash} "
+                         "(already wrapped?)")
     return dataclasses.replace(base, name=f"{kind}:{base.name}", score=score(base),
                                defaults=tuple(sorted(base.defaults + tuple(keywords.items()))), **fields)
 
 
 def _check_heads(kind: str, base: Policy) -> None:
     if base.heads is not None:
-        raise ValueError(f"{kind} cannot wrap {base.name!r}: it already shares its heads' slots ({base.heads})")
+        raise ValueError(f"{kind} cannot wrap {base.name!r}: it already shares its heads' slots "
+                         f"({base.heads})")
 
 
 def adakv(policy: Policy | str, alpha_safeguard: float = 0.2) -> Policy:
