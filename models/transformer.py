@@ -106,12 +106,13 @@ def embed(params: Params, ids: jax.Array) -> jax.Array:
     return x
 
 
-def project_qkv(lw: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig, inv_freq: jax.Array):
+def project_qkv(lw: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig, inv_freq: jax.Array,
+                with_queries: bool = False):
     """Project normed hidden states [B, S, H] to q [B, S, Nq, D], k and v [B, S, K, D], and the output gate
     [B, S, Nq, D] (None unless `attn_gate`: Qwen3.5's wq yields [query | gate] per head).
 
     Biases added where the family has them (Qwen2), per-head q/k RMSNorm where it has it (Qwen3, Gemma3,
-    Qwen3.5), then RoPE on q and k.
+    Qwen3.5), then RoPE on q and k. `with_queries`: the pre-RoPE q is appended to the tuple.
     """
     q = jnp.einsum("bsh,hnd->bsnd", x, lw["wq"])
     gate = None
@@ -125,7 +126,8 @@ def project_qkv(lw: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig, 
         q = rms_norm(q, lw["q_norm"], cfg.rms_norm_eps, cfg.norm_offset)
         k = rms_norm(k, lw["k_norm"], cfg.rms_norm_eps, cfg.norm_offset)
     scale = cfg.rope_attention_factor
-    return apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale), v, gate
+    out = (apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale), v, gate)
+    return out + (q,) if with_queries else out
 
 
 def attend(
@@ -303,13 +305,16 @@ def layer_forward(
     cfg: ModelConfig,
     inv_freq: jax.Array,  # [D/2]
     window: jax.Array | int | None = None,
+    with_queries: bool = False,
 ):
-    """One attention layer over a block; returns (x_out [B,S,H], k_new [B,K,S,D], v_new [B,K,S,D], probs)."""
+    """One attention layer over a block; returns (x_out [B,S,H], k_new [B,K,S,D], v_new [B,K,S,D], probs),
+    and with `with_queries` the block's pre-RoPE queries [B, S, Nq, D] too."""
     h = rms_norm(x, lw["attn_norm"], cfg.rms_norm_eps, cfg.norm_offset)
-    q, k, v, gate = project_qkv(lw, h, q_pos, cfg, inv_freq)
+    q, k, v, gate, q_pre = project_qkv(lw, h, q_pos, cfg, inv_freq, with_queries=True)
     k_new, v_new = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, S, D]
     o, probs = attend(q, q_pos, k_cache, v_cache, pos_cache, k_new, v_new, cfg, window, lw.get("sinks"))
-    return layer_output(lw, x, o, gate, cfg), k_new, v_new, probs
+    out = (layer_output(lw, x, o, gate, cfg), k_new, v_new, probs)
+    return out + (q_pre,) if with_queries else out
 
 
 def layer_output(lw: dict, x: jax.Array, o: jax.Array, gate: jax.Array | None, cfg: ModelConfig) -> jax.Array:

@@ -19,6 +19,47 @@ from vdjax.models.deltanet import LinearState
 
 
 @flax.struct.dataclass
+class QueryStats:
+    """Running statistics of a layer's pre-RoPE queries, carried in the cache for scores that read them
+    (expected attention): count n [B], mean [B, Nq, D] and the sum of centred outer products m2 [B, Nq, D, D]
+    (covariance = m2 / n), all fp32."""
+
+    n: jax.Array
+    mean: jax.Array
+    m2: jax.Array
+
+    @classmethod
+    def empty(cls, batch: int, heads: int, head_dim: int) -> QueryStats:
+        """No query seen yet."""
+        return cls(jnp.zeros((batch,), jnp.float32), jnp.zeros((batch, heads, head_dim), jnp.float32),
+                   jnp.zeros((batch, heads, head_dim, head_dim), jnp.float32))
+
+    @staticmethod
+    def of(q: jax.Array, use: jax.Array) -> QueryStats:
+        """The statistics of the queries q [B, S, Nq, D] where use [B, S] (two-pass: centred, then summed)."""
+        w = use.astype(jnp.float32)  # [B, S]
+        n = jnp.sum(w, axis=1)
+        q = q.astype(jnp.float32)
+        mean = jnp.einsum("bsnd,bs->bnd", q, w) / jnp.maximum(n, 1.0)[:, None, None]
+        c = (q - mean[:, None]) * w[:, :, None, None]
+        return QueryStats(n, mean, jnp.einsum("bsni,bsnj->bnij", c, c))
+
+    def merge(self, other: QueryStats) -> QueryStats:
+        """Both sets of queries together (Chan et al.'s pairwise update: exact, no sum of squares)."""
+        n = self.n + other.n
+        safe = jnp.maximum(n, 1.0)[:, None, None]
+        delta = other.mean - self.mean  # [B, Nq, D]
+        mean = self.mean + delta * (other.n[:, None, None] / safe)
+        cross = (self.n * other.n)[:, None, None, None] / safe[..., None]
+        return QueryStats(n, mean, self.m2 + other.m2 + cross * delta[..., :, None] * delta[..., None, :])
+
+    @property
+    def cov(self) -> jax.Array:
+        """Covariance [B, Nq, D, D] (divided by n, as kvpress's ExpectedAttentionPress)."""
+        return self.m2 / jnp.maximum(self.n, 1.0)[:, None, None, None]
+
+
+@flax.struct.dataclass
 class LayerCache:
     """One layer's cache: k, v [B, K, N, D]; pos [B, K, N] int32 (-1 empty); acc [B, K, N] accumulated
     attention.
@@ -34,6 +75,9 @@ class LayerCache:
     acc: jax.Array
     head: Any = None  # [B, 1, P] int32 for a pool, else None
     kv_heads: int = flax.struct.field(pytree_node=False, default=0)  # K of a pool, 0 for per-head slots
+    stats: Any = None  # `QueryStats` of the queries seen so far, for a policy that reads them; else None
+    feat: Any = None  # [B, K, N] ([B, 1, P]) a per-token feature computed once when the token entered
+    # (`Policy.token_feature`, e.g. CriticalKV's ||W_o v||_1); else None
 
     @property
     def pooled(self) -> bool:
@@ -68,7 +112,9 @@ class LayerCache:
         mine = self.head == jnp.arange(kh, dtype=jnp.int32)[None, :, None]  # [B, K, P]
         return LayerCache(jnp.broadcast_to(self.k, (b, kh) + self.k.shape[2:]),
                           jnp.broadcast_to(self.v, (b, kh) + self.v.shape[2:]),
-                          jnp.where(mine, self.pos, -1), jnp.broadcast_to(self.acc, (b, kh, p)))
+                          jnp.where(mine, self.pos, -1), jnp.broadcast_to(self.acc, (b, kh, p)),
+                          stats=self.stats,
+                          feat=None if self.feat is None else jnp.broadcast_to(self.feat, (b, kh, p)))
 
     def head_counts(self) -> jax.Array:
         """Valid slots per row and KV head: [B, K]."""
@@ -106,11 +152,18 @@ class KVCache:
         return cls(tuple(LayerCache.empty(batch, kv_heads, n, head_dim, dtype) for n in per_layer))
 
     @classmethod
-    def for_model(cls, cfg, batch: int, slots, dtype, pooled: bool = False) -> KVCache:
+    def for_model(cls, cfg, batch: int, slots, dtype, pooled: bool = False, stats: bool = False,
+                  feat: bool = False) -> KVCache:
         """An empty cache for a model config: `slots[i]` slots per head on each attention layer (`pooled`: one
-        pool of K * slots[i] slots shared by the K heads), a zero state on each Gated DeltaNet layer."""
-        return cls(tuple(LayerCache.empty(batch, cfg.num_kv_heads, slots[i], cfg.head_dim, dtype, pooled)
-                         if cfg.attends(i) else LinearState.empty(cfg, batch, dtype)
+        pool of K * slots[i] slots shared by the K heads; `stats`: empty `QueryStats` carried; `feat`: a
+        per-token feature slot), a zero state on each Gated DeltaNet layer."""
+        def attention(i):
+            lc = LayerCache.empty(batch, cfg.num_kv_heads, slots[i], cfg.head_dim, dtype, pooled)
+            if stats:
+                lc = lc.replace(stats=QueryStats.empty(batch, cfg.num_heads, cfg.head_dim))
+            return lc.replace(feat=jnp.zeros_like(lc.acc)) if feat else lc
+
+        return cls(tuple(attention(i) if cfg.attends(i) else LinearState.empty(cfg, batch, dtype)
                          for i in range(cfg.num_layers)))
 
     @property

@@ -10,9 +10,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from vdjax.engine.adaptive import adakv_keep, criticaladakv_keep, wo_l1_norm
+from vdjax.engine.adaptive import adakv_keep, criticaladakv_keep
 from vdjax.engine.cache import (
     LayerCache,
+    QueryStats,
     block_destinations,
     keep_mask,
     scatter_slots,
@@ -81,17 +82,19 @@ class CacheRule:
         return tuple(k * n for n in self.head_budgets(cfg, slots))
 
     def update(self, bound: BoundPolicy, lc: LayerCache, k_new, v_new, probs, q_pos, window,
-               layer, weights=None) -> Pending:
+               layer, weights=None, rope=None) -> Pending:
         """One attention layer's cache update for a block (k_new, v_new [B, K, S, D], probs [B, K, G, S, C]
         over `lc.view()`'s slots, then the block): an evicting policy scores the C = N + S candidates (`evict`
         plans them together with the other layers of the block; a pool is planned here); dense writes each
-        token at slot = its position (planned at once). `weights`: the layer's, for scores that read them."""
+        token at slot = its position (planned at once). `weights`: the layer's, for scores that read them;
+        `rope`: (pre-RoPE queries [B, S, Nq, D], inv_freq, scale) for a policy that reads queries."""
         if not self.evicts:
             return Pending(lc, k_new, v_new, *(None,) * 3, *_dense_plan(lc, q_pos, window))
         if lc.pooled:
-            return _pool_update(self, bound, lc, k_new, v_new, probs, q_pos, window, layer, weights)
-        scored = _candidates(bound, lc, k_new, v_new, probs, q_pos, window, layer, weights)
-        return Pending(lc, k_new, v_new, *scored)
+            return _pool_update(self, bound, lc, k_new, v_new, probs, q_pos, window, layer, weights, rope)
+        *scored, stats, feat_new = _candidates(bound, lc, k_new, v_new, probs, q_pos, window, layer, weights,
+                                               rope)
+        return Pending(lc, k_new, v_new, *scored, stats=stats, feat_new=feat_new)
 
 
 def cache_rule(bound: BoundPolicy) -> CacheRule:
@@ -103,9 +106,10 @@ def cache_rule(bound: BoundPolicy) -> CacheRule:
 
 
 def _candidates(bound: BoundPolicy, lc: LayerCache, k_new, v_new, probs, q_pos, window, layer,
-                weights=None, slots: int | None = None):
+                weights=None, rope=None, slots: int | None = None):
     """Score one layer's N + S candidates (the cache slots, then the block): (scores [B, K, C] fp32, their
-    positions [B, K, C] (-1 invalid; dead tokens of a sliding layer dropped), accumulated attention).
+    positions [B, K, C] (-1 invalid; dead tokens of a sliding layer dropped), accumulated attention, the
+    query statistics after this block (None unless the policy reads queries)).
     `slots`: the per-head budget the score is told (default the cache's N)."""
     b, kh, s, _ = k_new.shape
     n = lc.pos.shape[-1]
@@ -115,30 +119,42 @@ def _candidates(bound: BoundPolicy, lc: LayerCache, k_new, v_new, probs, q_pos, 
     if bound.accumulates:
         valid_q = (q_pos >= 0).astype(jnp.float32)[:, None, :, None]  # [B, 1, S, 1]
         acc = acc + jnp.sum(jnp.mean(probs, axis=2) * valid_q, axis=2)
-    attn = AttnInfo(probs=probs, q_pos=q_pos, acc=acc, layer=layer, weights=weights)
+    extra, stats = {}, None
+    if bound.policy.queries:
+        queries, inv_freq, scale = rope
+        n_sink = dict(bound.hyper).get("n_sink", 0)
+        stats = lc.stats.merge(QueryStats.of(queries, q_pos >= n_sink))
+        extra = dict(queries=queries, stats=stats, inv_freq=inv_freq, rope_scale=scale)
+    feat_new = None
+    if bound.policy.token_feature is not None:  # computed for the new tokens only; the cache carries the rest
+        feat_new = bound.policy.token_feature(v_new, weights).astype(jnp.float32)  # [B, K, S]
+        extra["feature"] = jnp.concatenate([lc.feat, feat_new], axis=-1)
+    attn = AttnInfo(probs=probs, q_pos=q_pos, acc=acc, layer=layer, weights=weights, **extra)
     cand_k = jnp.concatenate([lc.k, k_new], axis=2)  # [B, K, C, D]
     cand_v = jnp.concatenate([lc.v, v_new], axis=2)
     scores = bound.score(cand_k, cand_v, attn, cand_pos, slots=n if slots is None else slots)  # [B, K, C]
-    return scores.astype(jnp.float32), cand_pos, acc
+    return scores.astype(jnp.float32), cand_pos, acc, stats, feat_new
 
 
 def _pool_update(rule: CacheRule, bound: BoundPolicy, pool: LayerCache, k_new, v_new, probs, q_pos, window,
-                 layer, weights) -> Pending:
+                 layer, weights, rope) -> Pending:
     """A head-adaptive layer's update, planned at once: the candidates (each head's pool slots, then the
     block's tokens for every head) scored in the per-head view, the layer's K * N survivors chosen across
     heads (`adaptive`), and the surviving new (head, token) pairs written into the freed pool slots."""
     b, kh, s, d = k_new.shape
     p = pool.pos.shape[-1]
     n = p // kh  # per-head budget
-    scores, cand_pos, acc = _candidates(bound, pool.view(), k_new, v_new, probs, q_pos, window, layer,
-                                        weights, slots=n)  # [B, K, P + S]
+    view = pool.view()
+    scores, cand_pos, acc, stats, feat_new = _candidates(bound, view, k_new, v_new, probs, q_pos, window,
+                                                         layer, weights, rope, slots=n)  # [B, K, P + S]
     hyper = dict(rule.hyper)
     if rule.heads == "adakv":
         keep = adakv_keep(scores, cand_pos, n, hyper["alpha_safeguard"])
     else:
-        cand_v = jnp.concatenate([pool.view().v, v_new], axis=2)
-        keep = criticaladakv_keep(scores, cand_pos, n, wo_l1_norm(cand_v, weights["wo"]),
-                                  hyper["alpha_safeguard"], hyper["epsilon"], hyper["first_stage_ratio"])
+        vnorm = jnp.concatenate([view.feat, feat_new], axis=-1)  # ||W_o v||_1, computed once per token
+        keep = criticaladakv_keep(scores, cand_pos, n, vnorm,
+                                  hyper["alpha_safeguard"], hyper["critical_epsilon"],
+                                  hyper["first_stage_ratio"])
 
     def flat(a):  # view [B, K, P + S] -> the pool's own candidates [B, 1, P + K * S]
         old = jnp.take_along_axis(a[:, :, :p], jnp.clip(pool.head, 0, kh - 1), axis=1)  # [B, 1, P]
@@ -152,7 +168,8 @@ def _pool_update(rule: CacheRule, bound: BoundPolicy, pool: LayerCache, k_new, v
     old_acc = jnp.where(old_pos >= 0, acc_f[..., :p], 0.0)
     return Pending(pool, k_new.reshape(b, 1, kh * s, d), v_new.reshape(b, 1, kh * s, d), dest=dest,
                    pos=scatter_slots(old_pos, dest, pos_f[..., p:]),
-                   acc=scatter_slots(old_acc, dest, acc_f[..., p:]), head=head)
+                   acc=scatter_slots(old_acc, dest, acc_f[..., p:]), head=head, stats=stats,
+                   feat_new=None if feat_new is None else feat_new.reshape(b, 1, kh * s))
 
 
 def drop_dead(p, q_pos, window):
@@ -206,6 +223,8 @@ class Pending:
     pos: Any = None  # [B, K, N]
     acc: Any = None  # [B, K, N]
     head: Any = None  # a pool's [B, 1, P] head of each slot after the update (k_new, v_new [B, 1, K * S, D])
+    stats: Any = None  # the query statistics after the block (a policy that reads queries)
+    feat_new: Any = None  # [B, K, S] the new tokens' per-token feature ([B, 1, K * S] for a pool)
 
     @property
     def planned(self) -> bool:
@@ -215,8 +234,9 @@ class Pending:
     def apply(self, dest, pos, acc) -> LayerCache:
         """The new layer cache: the new tokens' k, v written at `dest`, nothing else moved."""
         k = select_slots(self.cache.k, dest, self.k_new)  # [B, K, N, D]
+        feat = None if self.feat_new is None else scatter_slots(self.cache.feat, dest, self.feat_new)
         return LayerCache(k, select_slots(self.cache.v, dest, self.v_new), pos, acc, self.head,
-                          self.cache.kv_heads)
+                          self.cache.kv_heads, self.stats, feat)
 
 
 def evict(x, updates: list):
@@ -245,8 +265,9 @@ def fill_tokens(cfg, bound: BoundPolicy, per_layer: tuple[int, ...], block: int,
     """How many leading prompt tokens an evicting prefill may run as one causal pass: whole blocks that fit
     every attention layer's slots, where nothing is evicted yet (a set of at most N valid candidates is kept
     whole, each new token in the next free slot, i.e. slot = position) and no token of a sliding layer dies.
-    0 for a policy that accumulates attention (its scores need every block's probabilities)."""
-    if bound.accumulates:
+    0 for a policy that accumulates attention, reads queries or carries a per-token feature (its scores need
+    every block's)."""
+    if bound.accumulates or bound.policy.queries or bound.policy.token_feature is not None:
         return 0
     attending = [n for i, n in enumerate(per_layer) if cfg.attends(i)]
     room = min(attending) if attending else t

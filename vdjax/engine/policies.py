@@ -26,11 +26,14 @@ from vdjax.engine.scores import (
     AttnInfo,
     _recent,
     bind_snapkv,
+    cur,
+    expected_attention,
     fastcaote,
     h2o,
     keydiff,
     keynorm,
     manifoldkv,
+    random_scores,
     snapkv,
     snapkv_kvpress,
     standardize,
@@ -61,6 +64,13 @@ class Policy:
     # (e.g. hybrid's fitted weights); None: the policy needs none
     calibration: Callable[[Any], bool] | None = None
     heads: str | None = None  # head-adaptive rule ("adakv", "criticaladakv"): the K heads share K * N slots
+    # reads the block's pre-RoPE queries and their running statistics (`AttnInfo.queries`, `.stats`), which
+    # the cache carries from block to block and step to step (queries at positions < its `n_sink` keyword
+    # left out of the statistics)
+    queries: bool = False
+    # (v_new [B, K, S, D], the layer's weights) -> [B, K, S] fp32: a per-token feature computed once when a
+    # token enters, carried per slot and given to the score as `AttnInfo.feature` (CriticalKV's ||W_o v||_1)
+    token_feature: Callable[..., jax.Array] | None = None
     # (num_layers, n, t, hyper dict) -> per-layer budgets for a prompt of t tokens (PyramidKV); None: uniform
     layers: Callable[..., tuple[int, ...]] | None = None
 
@@ -221,6 +231,12 @@ for _p in (
     Policy("hybrid", hybrid, (("mix", None),), bind=bind_mix, calibration=calibrated),
     Policy("pyramidkv", snapkv_kvpress, (("beta", 20), ("kernel", 5), ("window_size", 64)),
            layers=_pyramid_rule),
+    Policy("expected_attention", expected_attention,
+           (("epsilon", 0.0), ("n_future_positions", 512), ("n_sink", 4), ("stats", "all"),
+            ("use_covariance", True), ("use_vnorm", True)), queries=True),
+    Policy("random", random_scores, (("seed", 0),)),
+    Policy("cur", cur, (("leverage_type", "kv_product"), ("local_window_size", 16), ("num_sinks", 4),
+                        ("seed", 0), ("use_random_leverage", False))),
 ):
     register(_p)
     BUILTIN.add(_p.name)
@@ -321,12 +337,12 @@ class _Critical(_Base):
     """CriticalKV around the base's score (`adaptive.critical_scores`); W_o from `attn.weights`."""
 
     def __call__(self, k, v, attn, pos, *, slots, **kw):
-        if attn.weights is None or "wo" not in attn.weights:
+        if attn.feature is None and (attn.weights is None or "wo" not in attn.weights):
             raise ValueError("criticalkv needs the layer's output projection: call it with AttnInfo(weights="
                              "{'wo': [Nq, D, H]}) (the engine passes every layer's weights)")
         scores = super().__call__(k, v, attn, pos, slots=slots, **kw)
-        return critical_scores(scores, pos, slots, wo_l1_norm(v, attn.weights["wo"]),
-                               kw["epsilon"], kw["first_stage_ratio"])
+        vnorm = wo_l1_norm(v, attn.weights["wo"]) if attn.feature is None else attn.feature
+        return critical_scores(scores, pos, slots, vnorm, kw["critical_epsilon"], kw["first_stage_ratio"])
 
 
 def _wrap(kind: str, policy: Policy | str, keywords: dict, score=_Base, **fields) -> Policy:
@@ -346,6 +362,12 @@ def _check_heads(kind: str, base: Policy) -> None:
                          f"({base.heads})")
 
 
+def output_norm(v, weights) -> jax.Array:
+    """CriticalKV's per-token feature: ||W_o v||_1 averaged over the GQA group (v [B, K, S, D] -> [B, K, S]),
+    computed once when a token enters the cache."""
+    return wo_l1_norm(v, weights["wo"])
+
+
 def adakv(policy: Policy | str, alpha_safeguard: float = 0.2) -> Policy:
     """Head-adaptive budgets (AdaKV): at every eviction a layer keeps its best K * N candidates across its K
     KV heads, each head first keeping its own top max(1, floor(alpha_safeguard * N)); the heads share one pool
@@ -358,22 +380,24 @@ def adakv(policy: Policy | str, alpha_safeguard: float = 0.2) -> Policy:
 
 def criticalkv(policy: Policy | str, epsilon: float = 1e-4, first_stage_ratio: float = 0.5) -> Policy:
     """CriticalKV: the base's top `first_stage_ratio * N` candidates kept outright, the rest ranked by
-    (score + epsilon) * ||W_o v||_1 (mean over the GQA group). The memory is the base's."""
-    kw = {"epsilon": check_fraction("epsilon", epsilon, 0.0, math.inf),
+    (score + epsilon) * ||W_o v||_1 (mean over the GQA group). The memory is the base's. `epsilon` is the
+    policy keyword `critical_epsilon` (a base such as expected_attention has an `epsilon` of its own)."""
+    kw = {"critical_epsilon": check_fraction("epsilon", epsilon, 0.0, math.inf),
           "first_stage_ratio": check_fraction("first_stage_ratio", first_stage_ratio)}
-    return _wrap("criticalkv", policy, kw, score=_Critical)
+    return _wrap("criticalkv", policy, kw, score=_Critical, token_feature=output_norm)
 
 
 def criticaladakv(policy: Policy | str, alpha_safeguard: float = 0.2, epsilon: float = 1e-4,
                   first_stage_ratio: float = 0.5) -> Policy:
     """CriticalAdaKV: head budgets by the AdaKV rule from the base's scores, then CriticalKV's two stages
-    inside each head's budget (kvpress's `CriticalAdaKVPress`, each row on its own); K * N pooled slots."""
+    inside each head's budget (kvpress's `CriticalAdaKVPress`, each row on its own); K * N pooled slots.
+    `epsilon` is the policy keyword `critical_epsilon`, as for `criticalkv`."""
     base = _evicting(policy, "criticaladakv")
     _check_heads("criticaladakv", base)
     kw = {"alpha_safeguard": check_fraction("alpha_safeguard", alpha_safeguard),
-          "epsilon": check_fraction("epsilon", epsilon, 0.0, math.inf),
+          "critical_epsilon": check_fraction("epsilon", epsilon, 0.0, math.inf),
           "first_stage_ratio": check_fraction("first_stage_ratio", first_stage_ratio)}
-    return _wrap("criticaladakv", base, kw, heads="criticaladakv")
+    return _wrap("criticaladakv", base, kw, heads="criticaladakv", token_feature=output_norm)
 
 
 def pyramidkv(policy: Policy | str, beta: float = 20, window_size: int = 64) -> Policy:

@@ -33,9 +33,17 @@ def _layer(cfg, bound: BoundPolicy, kind: int, index, lw: dict, lc, x, q_pos):
         return tf.linear_layer_forward(lw, x, q_pos, lc, cfg)
     inv_freq, window = tf.layer_settings(cfg, kind)
     view = lc.view()  # a head-adaptive pool as [B, K, P, ...], each head seeing its own slots
-    x, k_new, v_new, probs = tf.layer_forward(lw, x, q_pos, view.k, view.v, view.pos, cfg,
-                                              jnp.asarray(inv_freq), window)
-    return x, cache_rule(bound).update(bound, lc, k_new, v_new, probs, q_pos, window, index, lw)
+    inv_freq = jnp.asarray(inv_freq)
+    rule = cache_rule(bound)
+    if rule.evicts and bound.policy.queries:  # the score reads the block's pre-RoPE queries
+        x, k_new, v_new, probs, q_pre = tf.layer_forward(lw, x, q_pos, view.k, view.v, view.pos, cfg,
+                                                         inv_freq, window, with_queries=True)
+        rope = (q_pre, inv_freq, cfg.rope_attention_factor)
+    else:
+        x, k_new, v_new, probs = tf.layer_forward(lw, x, q_pos, view.k, view.v, view.pos, cfg, inv_freq,
+                                                  window)
+        rope = None
+    return x, rule.update(bound, lc, k_new, v_new, probs, q_pos, window, index, lw, rope)
 
 
 def _run_layers(cfg, bound: BoundPolicy, lws: tuple, caches: tuple, x, q_pos, scan: bool):
@@ -99,7 +107,9 @@ def prefill_program(params: Params, tokens, lengths, *, bound: BoundPolicy, slot
         h_fill = jnp.take_along_axis(x, last, axis=1)[:, 0]  # [B, H]
         h_last = jnp.where((lengths <= fill)[:, None], h_fill, 0)  # [B, H]
     else:
-        caches = loop_form(cfg, KVCache.for_model(cfg, b, per_head, params.dtype, rule.pooled).layers, scan)
+        caches = KVCache.for_model(cfg, b, per_head, params.dtype, rule.pooled, bound.policy.queries,
+                                   bound.policy.token_feature is not None)
+        caches = loop_form(cfg, caches.layers, scan)
         h_last = jnp.zeros((b, cfg.hidden_size), params.dtype)
     nb -= fill // block
     if nb == 0:  # the whole prompt fits the cache: no block loop to compile
@@ -142,7 +152,8 @@ def to_pool(lc):
 
     owner = jnp.broadcast_to(jnp.repeat(jnp.arange(kh, dtype=jnp.int32), n), (*lead, 1, kh * n))
     pos = merge(lc.pos)
-    return LayerCache(merge(lc.k), merge(lc.v), pos, merge(lc.acc), jnp.where(pos >= 0, owner, -1), kh)
+    return LayerCache(merge(lc.k), merge(lc.v), pos, merge(lc.acc), jnp.where(pos >= 0, owner, -1), kh,
+                      lc.stats, None if lc.feat is None else merge(lc.feat))
 
 
 def _dense_layer(cfg, kind: int, lw: dict, x, q_pos, n: int):
@@ -229,8 +240,11 @@ def grow(cache: KVCache, extra: int, scan: bool = False) -> KVCache:
             return LayerCache(*(jnp.pad(a, [(0, 0)] * lead + [(0, more)] + [(0, 0)] * (a.ndim - lead - 1),
                                         constant_values=f)
                                 for a, f in ((lc.k, 0), (lc.v, 0), (lc.pos, -1), (lc.acc, 0), (lc.head, -1))),
-                              lc.kv_heads)
-        return LayerCache(pad(lc.k, 0), pad(lc.v, 0), pad(lc.pos, -1), pad(lc.acc, 0))
+                              lc.kv_heads, lc.stats,
+                              None if lc.feat is None else jnp.pad(
+                                  lc.feat, [(0, 0)] * lead + [(0, more)], constant_values=0))
+        return LayerCache(pad(lc.k, 0), pad(lc.v, 0), pad(lc.pos, -1), pad(lc.acc, 0), stats=lc.stats,
+                          feat=None if lc.feat is None else pad(lc.feat, 0))
 
     return KVCache(tuple(grown(lc) if isinstance(lc, LayerCache) else lc for lc in cache.layers))
 

@@ -14,6 +14,7 @@ composition: `policies.py`. """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import flax.struct
@@ -36,6 +37,16 @@ class AttnInfo:
     # the layer's weights as the model holds them (e.g. "wo" [Nq, D, H], the output projection per query
     # head, which CriticalKV reads); None where a score is called outside the engine
     weights: Any = None
+    # for a policy with `queries=True` (else None): the block's pre-RoPE queries [B, S, Nq, D], the running
+    # `cache.QueryStats` of every query seen so far (this block's included), the layer's inverse RoPE
+    # frequencies [R/2] and the RoPE scale (cos and sin are multiplied by it)
+    queries: Any = None
+    stats: Any = None
+    # the candidates' per-token feature [B, K, C] for a policy with a `token_feature` (computed once when each
+    # token entered and carried in the cache), else None
+    feature: Any = None
+    inv_freq: Any = None
+    rope_scale: float = flax.struct.field(pytree_node=False, default=1.0)
 
     @property
     def last_index(self) -> jax.Array:
@@ -211,3 +222,88 @@ def standardize(s: jax.Array, valid: jax.Array) -> jax.Array:
     mean = jnp.sum(x, axis=-1, keepdims=True) / n
     var = jnp.sum(jnp.where(finite, (x - mean) ** 2, 0.0), axis=-1, keepdims=True) / n
     return jnp.where(finite, (x - mean) / jnp.sqrt(var + _EPS), s)
+
+
+# ---- the field's query-agnostic scorers (kvpress 0.5.5's presses in true block mode) ---------------------
+def _avg_rope(x: jax.Array, attn: AttnInfo, count: int) -> jax.Array:
+    """x [B, ..., D] times the RoPE rotation averaged over the `count` positions after the last query (on the
+    last axis; dims past the rotated ones unchanged): kvpress's `apply_avg_rope`."""
+    inv_freq = attn.inv_freq
+    half = inv_freq.shape[-1]
+    p = (attn.last_pos[:, None] + 1 + jnp.arange(count))[..., None].astype(jnp.float32)  # [B, F, 1]
+    c = jnp.mean(jnp.cos(p * inv_freq), axis=1) * attn.rope_scale  # [B, R/2]
+    s = jnp.mean(jnp.sin(p * inv_freq), axis=1) * attn.rope_scale
+    shape = (x.shape[0],) + (1,) * (x.ndim - 2) + (half,)
+    c, s = c.reshape(shape), s.reshape(shape)
+    x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+    return jnp.concatenate([c * x1 - s * x2, c * x2 + s * x1, rest], axis=-1)
+
+
+def expected_attention(k, v, attn, pos, *, n_future_positions: int = 512, n_sink: int = 4,
+                       use_covariance: bool = True, use_vnorm: bool = True, epsilon: float = 0.0,
+                       stats: str = "all", **_):
+    """Expected Attention: softmax over the non-sink candidates of k.mu/sqrt(d) + k^T Sigma k/(2d), with mu,
+    Sigma the pre-RoPE queries' mean and covariance rotated by the RoPE averaged over the next
+    `n_future_positions` positions, GQA mean, times ||v|| (`use_vnorm`); the first `n_sink` positions kept.
+    `stats="all"`: the queries of every block so far (carried in the cache); "block": the current block's
+    (at a decode step, all so far)."""
+    if stats not in ("all", "block"):
+        raise ValueError(f"expected_attention stats must be 'all' or 'block', got {stats!r}")
+    st = attn.stats
+    if stats == "block" and attn.q_pos.shape[1] > 1:
+        st = type(st).of(attn.queries, attn.q_pos >= n_sink)
+    b, kh, c, d = k.shape
+    mu = _avg_rope(st.mean, attn, n_future_positions)  # [B, Nq, D]
+    g = mu.shape[1] // kh
+    k32 = k.astype(jnp.float32)
+    logits = jnp.einsum("bkcd,bkgd->bkgc", k32, mu.reshape(b, kh, g, d)) / math.sqrt(d)
+    if use_covariance:
+        cov = _avg_rope(jnp.swapaxes(_avg_rope(st.cov, attn, n_future_positions), -1, -2), attn,
+                        n_future_positions)  # R Sigma R^T [B, Nq, D, D]
+        kc = jnp.einsum("bkcd,bkgde->bkgce", k32, cov.reshape(b, kh, g, d, d))
+        logits = logits + jnp.einsum("bkgce,bkce->bkgc", kc, k32) / d / 2
+    scored = (pos >= n_sink)[:, :, None, :]  # [B, K, 1, C]
+    probs = jax.nn.softmax(jnp.where(scored, logits, -_INF), axis=-1)
+    s = jnp.mean(jnp.where(scored, probs, 0.0), axis=2)
+    if use_vnorm:
+        s = (s + epsilon) * _norm(v)
+    return jnp.where((pos >= 0) & (pos < n_sink), _INF, s)
+
+
+def random_scores(k, v, attn, pos, *, seed: int = 0, **_):
+    """Random: uniform scores, a new draw per layer, row and step from `seed` (the row's last position and the
+    layer folded in): the floor every leaderboard needs."""
+    base = jax.random.fold_in(jax.random.PRNGKey(seed), attn.layer)
+    draw = jax.vmap(lambda p: jax.random.uniform(jax.random.fold_in(base, p), pos.shape[1:]))
+    return draw(attn.last_pos)
+
+
+def _window_share(x: jax.Array, pos: jax.Array, width: int) -> jax.Array:
+    """x [B, K, C] divided by its sum over the valid candidates of its fixed `width`-position window
+    (positions [w * width, (w + 1) * width))."""
+    win = jnp.where(pos >= 0, pos // width, -1)
+    same = (win[..., :, None] == win[..., None, :]) & (pos >= 0)[..., None, :]  # [B, K, C, C]
+    total = jnp.einsum("bkij,bkj->bki", same.astype(jnp.float32), x)
+    return x / jnp.maximum(total, _EPS)
+
+
+def cur(k, v, attn, pos, *, num_sinks: int = 4, leverage_type: str = "kv_product",
+        local_window_size: int = 16, use_random_leverage: bool = False, seed: int = 0, **_):
+    """CurDKV (kvpress CURPress, default settings): each key's and value's share of squared norm within fixed
+    `local_window_size`-position windows from position 0, combined by `leverage_type` (kv_product, kv_avg,
+    key, value), normalised over the candidates; the first `num_sinks` positions kept.
+    `use_random_leverage`: keys and values first projected on a Gaussian sketch of 20 columns drawn from
+    `seed` and the layer (kvpress draws it unseeded)."""
+    if leverage_type not in ("kv_product", "kv_avg", "key", "value"):
+        raise ValueError(f"cur leverage_type must be one of kv_product, kv_avg, key, value, got "
+                         f"{leverage_type!r}")
+    k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
+    if use_random_leverage:
+        key = jax.random.fold_in(jax.random.PRNGKey(seed), attn.layer)
+        sketch = jax.random.normal(key, (k.shape[-1], 20)) / math.sqrt(20)
+        k32, v32 = k32 @ sketch, v32 @ sketch
+    k2 = _window_share(jnp.sum(k32 * k32, -1), pos, local_window_size)
+    v2 = _window_share(jnp.sum(v32 * v32, -1), pos, local_window_size)
+    s = {"kv_product": k2 * v2, "kv_avg": (k2 + v2) / 2, "key": k2, "value": v2}[leverage_type]
+    s = s / jnp.maximum(jnp.sum(jnp.where(pos >= 0, s, 0.0), axis=-1, keepdims=True), _EPS)
+    return jnp.where((pos >= 0) & (pos < num_sinks), _INF, s)

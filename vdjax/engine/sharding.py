@@ -125,6 +125,7 @@ def cache_sharding(cache, mesh: Mesh, stacked: bool = False):
     lead = 1 if stacked else 0
 
     def one(x, heads: bool = True):
+        heads = heads and x.ndim > lead + 1  # a per-row leaf (query statistics' count) has no head axis
         spec = [None] * lead + [_split(mesh, DATA, x.shape[lead]),
                                 _split(mesh, MODEL, x.shape[lead + 1]) if heads else None]
         while spec and spec[-1] is None:
