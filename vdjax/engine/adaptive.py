@@ -67,16 +67,21 @@ def critical_scores(scores: jax.Array, pos: jax.Array, n: int, vnorm: jax.Array,
     """CriticalKV's two stages as one score [B, K, C]: each head's top `first_stage_ratio * n` (at least one,
     kvpress's floor) by the base score protected, the rest `(score + epsilon) * vnorm`."""
     first = max(1, int(first_stage_ratio * n)) if first_stage_ratio > 0 else 0
+    protected = (pos >= 0) & jnp.isposinf(scores)
     s = rank_keys(scores, pos)
-    stage1 = keep_mask(s, pos, first) | (s == _INF)
+    stage1 = keep_mask(s, pos, first) | protected
     return jnp.where(stage1, _INF, (s + epsilon) * vnorm)
 
 
 def _protect_safeguard(scores, pos, n: int, alpha: float):
-    """Scores (invalid -inf) with each head's top `safeguard(n, alpha)` set to +inf."""
+    """Scores (invalid -inf) with each head's top `safeguard(n, alpha)` and the base's protected (+inf)
+    candidates set to +inf."""
+    protected = (pos >= 0) & jnp.isposinf(scores)
     s = rank_keys(scores, pos)
     m = safeguard(n, alpha)
-    return jnp.where(keep_mask(s, pos, m), _INF, s) if m else s
+    if m:
+        protected = protected | keep_mask(s, pos, m)
+    return jnp.where(protected, _INF, s)
 
 
 def _across_heads(s, pos, total: int):
@@ -100,8 +105,27 @@ def criticaladakv_keep(scores: jax.Array, pos: jax.Array, n: int, vnorm: jax.Arr
     s = _protect_safeguard(scores, pos, n, alpha)
     head_budget = jnp.sum(_across_heads(s, pos, scores.shape[1] * n), axis=-1)  # [B, K]
     first = jnp.floor(head_budget * first_stage_ratio).astype(jnp.int32)
-    stage1 = keep_mask(s, pos, first) | (s == _INF)
+    stage1 = keep_mask(s, pos, first) | jnp.isposinf(s)
     return keep_mask(jnp.where(stage1, _INF, (s + epsilon) * vnorm), pos, head_budget)
+
+
+def chunk_scores(scores: jax.Array, pos: jax.Array, length: int) -> jax.Array:
+    """ChunkKV: every candidate scored by its chunk (positions [c * length, (c + 1) * length)): the sum over
+    the KV heads of each head's mean score over the chunk's candidates (kvpress's sum over heads, then mean
+    over the chunk), +inf for a chunk holding a protected candidate. scores, pos [B, K, C] -> [B, K, C], one
+    value for a chunk in every head, so all heads keep the same chunks, whole but for the last one kept
+    (its earliest positions, the tie order)."""
+    valid = pos >= 0
+    protected = valid & (scores == _INF)
+    s = jnp.where(valid & ~protected, scores, 0.0).astype(jnp.float32)
+    chunk = jnp.where(valid, pos // length, -1)
+    same = (chunk[:, :, :, None, None] == chunk[:, None, None, :, :]) & valid[:, None, None]  # [B,K,C,K,C]
+    same = same.astype(jnp.float32)
+    count = jnp.sum(same, axis=-1)  # [B, K, C, K] members of each candidate's chunk in each head
+    mean = jnp.einsum("bhikj,bkj->bhik", same, s) / jnp.maximum(count, 1.0)
+    total = jnp.sum(jnp.where(count > 0, mean, 0.0), axis=-1)
+    hit = jnp.einsum("bhikj,bkj->bhi", same, protected.astype(jnp.float32)) > 0
+    return jnp.where(hit, _INF, total)
 
 
 def check_fraction(name: str, value, low: float = 0.0, high: float = 1.0) -> float:

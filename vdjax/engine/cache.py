@@ -239,7 +239,8 @@ class KVCache:
 
     def dense_nbytes(self, tokens: int) -> int:
         """Bytes a dense cache of `tokens` tokens would hold: keys and values of every attention layer."""
-        return int(sum((c.k.nbytes + c.v.nbytes) / c.pos.shape[-1] for c in self._kv()) * tokens)
+        return int(sum((c.k.nbytes + c.v.nbytes) / c.pos.shape[-1] * max(c.kv_heads, 1) for c in self._kv())
+                   * tokens)
 
 
 def kept_positions(cache: KVCache) -> list[list[list[np.ndarray]] | None]:

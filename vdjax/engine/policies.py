@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from vdjax.checks import check_int
-from vdjax.engine.adaptive import check_fraction, critical_scores, pyramid_budgets, wo_l1_norm
+from vdjax.engine.adaptive import check_fraction, chunk_scores, critical_scores, pyramid_budgets, wo_l1_norm
 from vdjax.engine.mixes import bind_mix, calibrated, hybrid
 from vdjax.engine.scores import (
     _INF,
@@ -45,9 +45,9 @@ from vdjax.engine.scores import (
     valuediff_norm,
 )
 
-__all__ = ["AttnInfo", "BoundPolicy", "POLICIES", "Policy", "adakv", "bind", "combine", "criticaladakv",
-           "criticalkv", "default_policies", "get_policy", "protect_recent", "protect_sinks", "pyramidkv",
-           "register", "standardize"]
+__all__ = ["AttnInfo", "BoundPolicy", "POLICIES", "Policy", "adakv", "bind", "chunkkv", "combine",
+           "criticaladakv", "criticalkv", "default_policies", "get_policy", "protect_recent", "protect_sinks",
+           "pyramidkv", "register", "standardize"]
 
 
 # ---- registry -------------------------------------------------------------------------------------------
@@ -170,6 +170,9 @@ def bind(policy: Policy | str, params, budget: int | None = None, **policy_kwarg
     else:
         budget = check_int("budget", budget)
     hyper = pol.bind_hyper(params, pol.hyper(**policy_kwargs), _mean(budget))
+    for name, value in hyper:  # a wrapper's keywords given at the call are checked as the wrapper checks them
+        if name in WRAPPER_KEYWORDS:
+            WRAPPER_KEYWORDS[name](name, value)
     return BoundPolicy(pol, hyper, budget, layer_budgets)
 
 
@@ -345,6 +348,14 @@ class _Critical(_Base):
         return critical_scores(scores, pos, slots, vnorm, kw["critical_epsilon"], kw["first_stage_ratio"])
 
 
+@dataclasses.dataclass(frozen=True)
+class _Chunked(_Base):
+    """ChunkKV around the base's score (`adaptive.chunk_scores`)."""
+
+    def __call__(self, k, v, attn, pos, *, slots, **kw):
+        return chunk_scores(super().__call__(k, v, attn, pos, slots=slots, **kw), pos, kw["chunk_length"])
+
+
 def _wrap(kind: str, policy: Policy | str, keywords: dict, score=_Base, **fields) -> Policy:
     """A wrapper `kind` around an evicting policy, its keywords added to the base's (refused on a clash)."""
     base = _evicting(policy, kind)
@@ -407,13 +418,36 @@ def pyramidkv(policy: Policy | str, beta: float = 20, window_size: int = 64) -> 
     base = _evicting(policy, "pyramidkv")
     if base.layers is not None:
         raise ValueError(f"pyramidkv cannot wrap {base.name!r}: it already sets its layer budgets")
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or beta < 1:
-        raise ValueError(f"beta must be a number >= 1, got {beta!r}")
-    return _wrap("pyramidkv", base, {"beta": beta, "window_size": check_int("window_size", window_size)},
-                 layers=_pyramid_rule)
+    kw = {"beta": _at_least_one("beta", beta), "window_size": check_int("window_size", window_size)}
+    return _wrap("pyramidkv", base, kw, layers=_pyramid_rule)
 
 
-WRAPPERS: dict[str, Callable[..., Policy]] = {"adakv": adakv, "criticalkv": criticalkv,
+def chunkkv(policy: Policy | str, chunk_length: int = 20) -> Policy:
+    """ChunkKV: whole chunks of `chunk_length` positions kept by the base's score summed over the KV heads
+    (mean over the chunk), so every head keeps the same chunks; the cache is filled to N, the last chunk cut
+    to its earliest positions (kvpress keeps whole chunks only, fewer than N tokens, and applies row 0's
+    choice to the batch; here each row decides on its own)."""
+    return _wrap("chunkkv", policy, {"chunk_length": check_int("chunk_length", chunk_length)}, score=_Chunked)
+
+
+def _at_least_one(name: str, value) -> float:
+    """A number >= 1, or a ValueError naming the keyword."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 1:
+        raise ValueError(f"{name} must be a number >= 1, got {value!r}")
+    return value
+
+
+# the wrappers' keywords and their checks (at wrapping and again at `bind`, where a call may override them)
+WRAPPER_KEYWORDS: dict[str, Callable[[str, Any], Any]] = {
+    "alpha_safeguard": check_fraction,
+    "first_stage_ratio": check_fraction,
+    "critical_epsilon": lambda name, v: check_fraction(name, v, 0.0, math.inf),
+    "chunk_length": check_int,
+    "beta": _at_least_one,
+    "window_size": check_int,
+}
+
+WRAPPERS: dict[str, Callable[..., Policy]] = {"adakv": adakv, "chunkkv": chunkkv, "criticalkv": criticalkv,
                                               "criticaladakv": criticaladakv, "pyramidkv": pyramidkv}
 
 _SUFFIX = re.compile(r"\+(sinks|recent)(\d+)$")
@@ -437,6 +471,6 @@ def get_policy(policy: Policy | str) -> Policy:
         raise ValueError(
             f"unknown policy {policy!r}; registered: {sorted(POLICIES)} "
             "(suffix '+sinksN' or '+recentN' protects the first/last N positions; prefix 'adakv:', "
-            "'criticalkv:', 'criticaladakv:' or 'pyramidkv:' wraps a policy in adaptive budgets)"
+            "'criticalkv:', 'criticaladakv:', 'pyramidkv:' or 'chunkkv:' wraps a policy)"
         )
     return POLICIES[policy]
