@@ -1,6 +1,10 @@
-"""Every score function equals a plain NumPy reference; eviction operators keep exactly the right sets."""
+"""Every score function equals a plain NumPy reference (here, or in tests/test_scorers.py for those that read
+the queries' statistics, the layer or positions' windows); eviction operators keep exactly the right sets."""
 
 import dataclasses
+import importlib
+import sys
+from pathlib import Path
 
 import chex
 import jax
@@ -11,7 +15,9 @@ import pytest
 import vdjax
 from vdjax.engine import cache as vc
 from vdjax.engine import policies as P
+from vdjax.engine.cache import QueryStats
 
+TESTS = Path(__file__).resolve().parent
 B, K, G, S, N, D = 2, 3, 2, 5, 11, 8
 C = N + S
 
@@ -100,15 +106,41 @@ def _ref_scores(name, k, v, pos, probs, q_pos, acc, budget, **kw):
                 for r, j in enumerate(outside):
                     pooled[j] = padded[r:r + 5].sum() / 5
                 s = np.where(recent(w), np.inf, pooled)
+            else:
+                raise KeyError(f"no NumPy reference for {name!r}: add one here or in tests/test_scorers.py")
             out[b, h] = s
     return out
 
 
+# the policies `_ref_scores` has a reference for, and those tests/test_scorers.py has (its REFERENCED)
+REFERENCED = ("valuediff", "valuediff_dir", "valuediff_norm", "keydiff", "keynorm", "manifoldkv", "streaming",
+              "tova", "fastcaote", "h2o", "hybrid", "snapkv", "pyramidkv")
+ELSEWHERE = ("expected_attention", "cur", "random")
 POLICY_NAMES = [n for n in vdjax.POLICIES if n != "dense"]
+
+
+def _scorers_module():
+    """tests/test_scorers.py (its REFERENCED: the registered policies it has NumPy references for)."""
+    if str(TESTS) not in sys.path:
+        sys.path.insert(0, str(TESTS))
+    return importlib.import_module("test_scorers")
+
+
+def test_every_registered_policy_has_a_numpy_reference():
+    """A policy registered without a reference fails here (and in test_score_matches_numpy, which runs every
+    registered policy but those tests/test_scorers.py covers)."""
+    elsewhere = _scorers_module().REFERENCED
+    assert set(elsewhere) == set(ELSEWHERE) and not set(REFERENCED) & set(elsewhere)
+    assert set(POLICY_NAMES) == set(REFERENCED) | set(elsewhere), (
+        f"without a reference: {sorted(set(POLICY_NAMES) - set(REFERENCED) - set(elsewhere))}; "
+        f"references of unregistered policies: {sorted(set(REFERENCED) | set(elsewhere) - set(POLICY_NAMES))}")
+    tests = [t for t in dir(_scorers_module()) if t.startswith("test_")]
+    for name in elsewhere:
+        assert any(t.startswith(f"test_{name}_") and "numpy" in t for t in tests), name
 HYBRID_W = ((0.3, 1.0, 0.0),)  # layer 0: a mix, pure ValueDiff, pure KeyDiff (K = 3 heads)
 
 
-@pytest.mark.parametrize("name", POLICY_NAMES)
+@pytest.mark.parametrize("name", [n for n in POLICY_NAMES if n not in ELSEWHERE])
 def test_score_matches_numpy(name):
     k, v, pos, probs, q_pos, acc = _inputs()
     kw = {"snapkv": {"window": 3}, "hybrid": {"mix": HYBRID_W}, "pyramidkv": {"window_size": 3}}.get(name, {})
@@ -256,8 +288,13 @@ def test_policy_lookup_errors():
 
 
 def test_jit_equals_eager_scores():
+    """Every registered policy, given all an AttnInfo holds (the queries and their statistics too)."""
     k, v, pos, probs, q_pos, acc = _inputs(seed=6)
-    attn = P.AttnInfo(jnp.asarray(probs), jnp.asarray(q_pos), jnp.asarray(acc))
+    queries = np.random.RandomState(6).randn(B, S, K * G, D).astype(np.float32)
+    stats = QueryStats.of(jnp.asarray(queries), jnp.asarray(q_pos >= 0))
+    inv_freq = jnp.asarray((1.0 / 10000 ** (np.arange(0, D, 2) / D)).astype(np.float32))
+    attn = P.AttnInfo(jnp.asarray(probs), jnp.asarray(q_pos), jnp.asarray(acc), layer=2,
+                      queries=jnp.asarray(queries), stats=stats, inv_freq=inv_freq)
 
     def jit_scores(pol, kw):
         return jax.jit(lambda a, b, c, d: pol(a, b, c, d, slots=N, **kw))

@@ -44,10 +44,10 @@ from vdjax.text import Answer, answer
 
 __all__ = [
     "Answer", "answer", "AttnInfo", "BoundPolicy", "Generation", "KVCache", "LayerCache", "POLICIES",
-    "Policy", "adakv", "bind", "chunkkv", "combine", "compile_cache", "continuation_logprobs", "criticaladakv",
-    "criticalkv", "generate", "get_policy", "keep_mask", "kept_positions", "load", "load_tokenizer",
-    "make_mesh", "prefill", "protect_recent", "protect_sinks", "pyramidkv", "register", "run", "shard_params",
-    "topk_gather",
+    "Policy", "adakv", "bind", "chunkkv", "combine", "compile_cache", "continuation_logprobs",
+    "criticaladakv", "criticalkv", "generate", "get_policy", "keep_mask", "kept_positions", "load",
+    "load_tokenizer", "make_mesh", "prefill", "protect_recent", "protect_sinks", "pyramidkv", "register",
+    "run", "shard_params", "topk_gather",
 ]
 
 

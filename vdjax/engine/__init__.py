@@ -31,8 +31,8 @@ from vdjax.engine.policies import (
 from vdjax.engine.sharding import make_mesh, shard_params
 
 __all__ = [
-    "AttnInfo", "BoundPolicy", "Generation", "KVCache", "LayerCache", "POLICIES", "Policy", "adakv", "bind", "chunkkv",
-    "combine", "compile_prefill", "continuation_logprobs", "criticaladakv", "criticalkv", "generate",
-    "get_policy", "keep_mask", "kept_positions", "make_mesh", "prefill", "protect_recent", "protect_sinks",
-    "pyramidkv", "register", "run", "shard_params", "topk_gather",
+    "AttnInfo", "BoundPolicy", "Generation", "KVCache", "LayerCache", "POLICIES", "Policy", "adakv", "bind",
+    "chunkkv", "combine", "compile_prefill", "continuation_logprobs", "criticaladakv", "criticalkv",
+    "generate", "get_policy", "keep_mask", "kept_positions", "make_mesh", "prefill", "protect_recent",
+    "protect_sinks", "pyramidkv", "register", "run", "shard_params", "topk_gather",
 ]
