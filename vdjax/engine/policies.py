@@ -32,6 +32,7 @@ from vdjax.engine.scores import (
     h2o,
     keydiff,
     keynorm,
+    lagkv,
     manifoldkv,
     random_scores,
     snapkv,
@@ -238,6 +239,7 @@ for _p in (
            (("epsilon", 0.0), ("n_future_positions", 512), ("n_sink", 4), ("stats", "all"),
             ("use_covariance", True), ("use_vnorm", True)), queries=True),
     Policy("random", random_scores, (("seed", 0),)),
+    Policy("lagkv", lagkv, (("cross_scoring", False), ("lag_size", 128), ("n_sink", 4))),
     Policy("cur", cur, (("leverage_type", "kv_product"), ("local_window_size", 16), ("num_sinks", 4),
                         ("seed", 0), ("use_random_leverage", False))),
 ):

@@ -307,3 +307,62 @@ def cur(k, v, attn, pos, *, num_sinks: int = 4, leverage_type: str = "kv_product
     s = {"kv_product": k2 * v2, "kv_avg": (k2 + v2) / 2, "key": k2, "value": v2}[leverage_type]
     s = s / jnp.maximum(jnp.sum(jnp.where(pos >= 0, s, 0.0), axis=-1, keepdims=True), _EPS)
     return jnp.where((pos >= 0) & (pos < num_sinks), _INF, s)
+
+
+def _lag_head(x_k, x_v, part, scored, lag: int, cross_scoring: bool):
+    """LagKV's scores for one head's candidates sorted by position: x_k, x_v [C, D], part [C] (each one's
+    partition, -1 for sinks and invalid), scored [C] (partitions with a complete successor). Each candidate of
+    partition p is normalised by partition p + 1's per-channel min and max, scored by the std over channels
+    (unbiased, as torch), softmax within its partition, keys and values averaged; then (cross_scoring False)
+    its rank inside its partition / lag. -> [C] (0 where part is -1)."""
+    c = part.shape[0]
+    new = jnp.concatenate([jnp.ones((1,), bool), part[1:] != part[:-1]])
+    seg = jnp.cumsum(new) - 1  # dense partition index in sorted order [C]
+    seg_part = jax.ops.segment_max(part, seg, num_segments=c)  # partition number of each segment
+    nxt = jnp.clip(seg + 1, 0, c - 1)
+    has_ref = scored & (seg + 1 < c) & (seg_part[nxt] == part + 1)
+
+    def one(x):
+        big = jnp.where((part >= 0)[:, None], x, jnp.inf)
+        lo = jax.ops.segment_min(big, seg, num_segments=c)[nxt]  # [C, D] the next partition's min
+        hi = jax.ops.segment_max(jnp.where((part >= 0)[:, None], x, -jnp.inf), seg, num_segments=c)[nxt]
+        z = (x - lo) / (hi - lo)
+        d = x.shape[-1]
+        std = jnp.sqrt(jnp.sum((z - jnp.mean(z, -1, keepdims=True)) ** 2, -1) / (d - 1))
+        std = jnp.where(has_ref, std, -jnp.inf)
+        top = jax.ops.segment_max(std, seg, num_segments=c)[seg]
+        e = jnp.where(has_ref, jnp.exp(std - top), 0.0)
+        return e / jnp.maximum(jax.ops.segment_sum(e, seg, num_segments=c)[seg], _EPS)
+
+    s = (one(x_k.astype(jnp.float32)) + one(x_v.astype(jnp.float32))) / 2
+    if not cross_scoring:  # rank inside the partition (ties: the earlier position ranks lower) / lag
+        same = has_ref[:, None] & has_ref[None, :] & (seg[:, None] == seg[None, :])
+        idx = jnp.arange(c)
+        below = (s[None, :] < s[:, None]) | ((s[None, :] == s[:, None]) & (idx[None, :] < idx[:, None]))
+        s = jnp.sum(same & below, axis=1).astype(jnp.float32) / lag
+    return jnp.where(has_ref, s, 0.0)
+
+
+def lagkv(k, v, attn, pos, *, n_sink: int = 4, lag_size: int = 128, cross_scoring: bool = False, **_):
+    """LagKV (kvpress LagKVPress): positions after the `n_sink` sinks fall in partitions of `lag_size`; with
+    `seen` = the last query's position + 1 (the prompt so far, decoded tokens included), each complete
+    partition that has a complete successor is scored against it (`_lag_head`), the last complete partition
+    and the incomplete rest score 1 (kept first, as the sinks); below `n_sink + 2 * lag_size` seen tokens the
+    score is (pos - n_sink) / (seen - n_sink) (the most recent kept), sinks 1."""
+    seen = (attn.last_pos + 1)[:, None, None]  # [B, 1, 1]
+    valid = pos >= 0
+    sink = valid & (pos < n_sink)
+    recency = (pos - n_sink).astype(jnp.float32) / jnp.maximum(seen - n_sink, 1).astype(jnp.float32)
+    full = (seen - n_sink) // lag_size  # complete partitions [B, 1, 1]
+    part = jnp.where(valid & ~sink, (pos - n_sink) // lag_size, -1)
+    scored = (part >= 0) & (part < full - 1)
+    order = jnp.argsort(jnp.where(valid, pos, jnp.iinfo(jnp.int32).max), axis=-1)
+    take = lambda a: jnp.take_along_axis(a, order, axis=-1)  # noqa: E731
+    ks = jnp.take_along_axis(k, order[..., None], axis=2)
+    vs = jnp.take_along_axis(v, order[..., None], axis=2)
+    head = jax.vmap(jax.vmap(lambda a, b_, p, m: _lag_head(a, b_, p, m, lag_size, cross_scoring)))
+    s_sorted = head(ks, vs, take(part), take(scored))
+    s = jnp.take_along_axis(s_sorted, jnp.argsort(order, axis=-1), axis=-1)
+    lag = jnp.where(sink | ~scored, 1.0, s)
+    short = seen < n_sink + 2 * lag_size
+    return jnp.where(short, jnp.where(sink, 1.0, recency), lag)
