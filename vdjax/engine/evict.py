@@ -87,7 +87,8 @@ class CacheRule:
         over `lc.view()`'s slots, then the block): an evicting policy scores the C = N + S candidates (`evict`
         plans them together with the other layers of the block; a pool is planned here); dense writes each
         token at slot = its position (planned at once). `weights`: the layer's, for scores that read them;
-        `rope`: (pre-RoPE queries [B, S, Nq, D], inv_freq, scale) for a policy that reads queries."""
+        `rope`: (the block's pre-RoPE queries [B, S, Nq, D] for a policy that reads them, else None; the
+        layer's inverse RoPE frequencies; the RoPE scale)."""
         if not self.evicts:
             return Pending(lc, k_new, v_new, *(None,) * 3, *_dense_plan(lc, q_pos, window))
         if lc.pooled:
@@ -120,11 +121,13 @@ def _candidates(bound: BoundPolicy, lc: LayerCache, k_new, v_new, probs, q_pos, 
         valid_q = (q_pos >= 0).astype(jnp.float32)[:, None, :, None]  # [B, 1, S, 1]
         acc = acc + jnp.sum(jnp.mean(probs, axis=2) * valid_q, axis=2)
     extra, stats = {}, None
-    if bound.policy.queries:
+    if rope is not None:
         queries, inv_freq, scale = rope
-        n_sink = dict(bound.hyper).get("n_sink", 0)
-        stats = lc.stats.merge(QueryStats.of(queries, q_pos >= n_sink))
-        extra = dict(queries=queries, stats=stats, inv_freq=inv_freq, rope_scale=scale)
+        extra = dict(inv_freq=inv_freq, rope_scale=scale)
+        if bound.policy.queries:
+            n_sink = dict(bound.hyper).get("n_sink", 0)
+            stats = lc.stats.merge(QueryStats.of(queries, q_pos >= n_sink))
+            extra.update(queries=queries, stats=stats)
     feat_new = None
     if bound.policy.token_feature is not None:  # computed for the new tokens only; the cache carries the rest
         feat_new = bound.policy.token_feature(v_new, weights).astype(jnp.float32)  # [B, K, S]

@@ -38,11 +38,11 @@ def _layer(cfg, bound: BoundPolicy, kind: int, index, lw: dict, lc, x, q_pos):
     if rule.evicts and bound.policy.queries:  # the score reads the block's pre-RoPE queries
         x, k_new, v_new, probs, q_pre = tf.layer_forward(lw, x, q_pos, view.k, view.v, view.pos, cfg,
                                                          inv_freq, window, with_queries=True)
-        rope = (q_pre, inv_freq, cfg.rope_attention_factor)
     else:
         x, k_new, v_new, probs = tf.layer_forward(lw, x, q_pos, view.k, view.v, view.pos, cfg, inv_freq,
                                                   window)
-        rope = None
+        q_pre = None
+    rope = (q_pre, inv_freq, cfg.rope_attention_factor)
     return x, rule.update(bound, lc, k_new, v_new, probs, q_pos, window, index, lw, rope)
 
 

@@ -37,11 +37,11 @@ class AttnInfo:
     # the layer's weights as the model holds them (e.g. "wo" [Nq, D, H], the output projection per query
     # head, which CriticalKV reads); None where a score is called outside the engine
     weights: Any = None
-    # for a policy with `queries=True` (else None): the block's pre-RoPE queries [B, S, Nq, D], the running
-    # `cache.QueryStats` of every query seen so far (this block's included), the layer's inverse RoPE
-    # frequencies [R/2] and the RoPE scale (cos and sin are multiplied by it)
+    # for a policy with `queries=True` (else None): the block's pre-RoPE queries [B, S, Nq, D] and the running
+    # `cache.QueryStats` of every query seen so far (this block's included)
     queries: Any = None
     stats: Any = None
+    # the layer's inverse RoPE frequencies [R/2] and the RoPE scale (cos and sin are multiplied by it)
     # the candidates' per-token feature [B, K, C] for a policy with a `token_feature` (computed once when each
     # token entered and carried in the cache), else None
     feature: Any = None
@@ -366,3 +366,42 @@ def lagkv(k, v, attn, pos, *, n_sink: int = 4, lag_size: int = 128, cross_scorin
     lag = jnp.where(sink | ~scored, 1.0, s)
     short = seen < n_sink + 2 * lag_size
     return jnp.where(short, jnp.where(sink, 1.0, recency), lag)
+
+
+def unrotate(k: jax.Array, pos: jax.Array, attn: AttnInfo) -> jax.Array:
+    """Pre-RoPE keys from the cached (post-RoPE) ones: k [B, K, C, D] rotated back by its positions' RoPE
+    (the inverse rotation divided by the RoPE scale; dims past the rotated ones unchanged), fp32."""
+    half = attn.inv_freq.shape[-1]
+    f = jnp.maximum(pos, 0).astype(jnp.float32)[..., None] * attn.inv_freq  # [B, K, C, R/2]
+    c, s = jnp.cos(f), jnp.sin(f)
+    k = k.astype(jnp.float32) / attn.rope_scale
+    y1, y2, rest = k[..., :half], k[..., half:2 * half], k[..., 2 * half:]
+    return jnp.concatenate([c * y1 + s * y2, c * y2 - s * y1, rest], axis=-1)
+
+
+def _row_zscore(s: jax.Array, valid: jax.Array) -> jax.Array:
+    """Z-score [B, K, C] over each row's valid candidates of every head (std unbiased, floored at 1e-6, as
+    kvpress's `scores.std().clamp_min(1e-6)`)."""
+    w = valid.astype(jnp.float32)
+    n = jnp.maximum(jnp.sum(w, axis=(1, 2), keepdims=True), 2.0)
+    mean = jnp.sum(jnp.where(valid, s, 0.0), axis=(1, 2), keepdims=True) / n
+    var = jnp.sum(jnp.where(valid, (s - mean) ** 2, 0.0), axis=(1, 2), keepdims=True) / (n - 1)
+    return (s - mean) / jnp.maximum(jnp.sqrt(var), 1e-6)
+
+
+def leverage(k, v, attn, pos, *, sketch_dimension: int = 48, ridge: float = 1e-2, seed: int = 0, **_):
+    """Leverage scores (kvpress LeverageScorePress): the candidates' pre-RoPE keys (`unrotate`), centred over
+    the head's valid candidates, projected on a Gaussian sketch [D, sketch_dimension] / sqrt(sketch_dimension)
+    drawn per layer and KV head from `seed`; score x_i (X^T X + ridge I)^-1 x_i^T (>= 0), z-scored over the
+    row (kvpress: over the batch; it draws a new sketch every call)."""
+    valid = pos >= 0
+    x = unrotate(k, pos, attn)
+    xc = (x - masked_mean(x, valid)) * valid[..., None]
+    kh, d = k.shape[1], k.shape[-1]
+    key = jax.random.fold_in(jax.random.PRNGKey(seed), attn.layer)
+    phi = jax.random.normal(key, (kh, d, sketch_dimension)) / math.sqrt(sketch_dimension)
+    proj = jnp.einsum("bkcd,kdm->bkcm", xc, phi)
+    gram = jnp.einsum("bkcm,bkcn->bkmn", proj, proj) + ridge * jnp.eye(sketch_dimension)
+    sol = jnp.linalg.solve(gram, jnp.swapaxes(proj, -1, -2))  # [B, K, m, C]
+    lev = jnp.maximum(jnp.sum(proj * jnp.swapaxes(sol, -1, -2), axis=-1), 0.0)
+    return _row_zscore(lev, valid)
