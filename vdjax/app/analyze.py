@@ -413,3 +413,30 @@ def analyze_model(model: str, out: str | os.PathLike, *, prompts_file: str | Non
     paths.update(write_model(geo, folder, extra))
     paths.update({f"all-{k}": v for k, v in write_models(Path(out)).items()})
     return {"geometry": geo, "paths": paths, "hybrid": hyb}
+
+
+def qfilters_for_model(model: str, *, prompts_file: str | None = None, length: int = 2048,
+                       per_category: int = 4, dtype: str | None = None, revision: str | None = None,
+                       console=None) -> dict:
+    """Fit Q-filters on the calibration prompts (`vdjax.analysis.qfilters`), save them beside the checkpoint
+    (found by `policy="qfilter"`) and report how well they are oriented on the held-out last prompt: the
+    share of KV heads whose top quarter by -<f, k> receives more attention than the rest (BOS left out)."""
+    import vdjax
+    from vdjax.analysis.calibration import calibration_prompts, prompts_from_file
+    from vdjax.analysis.qfilters import fit_qfilters, orientation
+    from vdjax.engine.qfilters import save_qfilters
+
+    say = console.print if console is not None else (lambda *a, **k: None)
+    params, tok = vdjax.load(model, dtype, revision), vdjax.load_tokenizer(model, revision)
+    length = min(length, getattr(params.config, "max_position_embeddings", None) or length)
+    prompts = (prompts_from_file(prompts_file, tok, length) if prompts_file
+               else interleave(calibration_prompts(tok, length=length, per_category=per_category)))
+    if len(prompts) < 2:
+        raise ValueError("--qfilters needs at least 2 prompts (fitting ones plus one held out)")
+    ids = [p.ids for p in prompts]
+    say(f"Q-filters of {slug(model)}: {len(ids) - 1} prompts of {length} tokens, 1 held out")
+    filters = fit_qfilters(params, ids[:-1])
+    share = orientation(params, filters, ids[-1])
+    path = save_qfilters(params.source, filters, model=slug(model),
+                         info={"prompts": len(ids) - 1, "length": length, "held_out_oriented": share})
+    return {"path": path, "held_out_oriented": share}

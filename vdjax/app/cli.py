@@ -217,6 +217,9 @@ def _add_analyze(sub) -> None:
                         "samples beyond their noise (paired bootstrap 95 %% interval above 0); 'none': the "
                         "highest mean wins")
     a.add_argument("--per-head", action="store_true", help="one weight per KV head instead of per layer")
+    a.add_argument("--qfilters", action="store_true",
+                   help="only fit the Q-filters (policy 'qfilter') on the calibration prompts and save them "
+                        "beside the checkpoint (<folder>/vdjax-qfilters/qfilters.json)")
     a.set_defaults(func=cmd_analyze)
 
 

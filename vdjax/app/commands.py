@@ -356,6 +356,18 @@ def cmd_analyze(args) -> int:
     if args.prompts and not Path(args.prompts).is_file():
         raise UsageError(f"argument --prompts: {args.prompts!r} is not a file")
     wall = time.perf_counter()
+    if args.qfilters:
+        from vdjax.app.analyze import qfilters_for_model
+
+        try:
+            res = qfilters_for_model(args.model, prompts_file=args.prompts, length=args.length,
+                                     per_category=args.per_category, dtype=args.dtype, revision=args.revision,
+                                     console=console)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        console.print(f"Q-filters {res['path']} (held-out prompt: {res['held_out_oriented']:.0%} of KV heads "
+                      f"oriented; wall time {time.perf_counter() - wall:.0f} s)")
+        return 0
     try:
         res = analyze_model(args.model, args.out, prompts_file=args.prompts, length=args.length,
                   per_category=args.per_category, tau=args.tau, topk=args.topk, n_queries=args.n_queries,

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from vdjax.checks import check_int
 from vdjax.engine.adaptive import check_fraction, chunk_scores, critical_scores, pyramid_budgets, wo_l1_norm
 from vdjax.engine.mixes import bind_mix, calibrated, hybrid
+from vdjax.engine.qfilters import bind_qfilters, has_qfilters, qfilter
 from vdjax.engine.scores import (
     _INF,
     AttnInfo,
@@ -240,6 +241,7 @@ for _p in (
            (("epsilon", 0.0), ("n_future_positions", 512), ("n_sink", 4), ("stats", "all"),
             ("use_covariance", True), ("use_vnorm", True)), queries=True),
     Policy("random", random_scores, (("seed", 0),)),
+    Policy("qfilter", qfilter, (("filters", None),), bind=bind_qfilters, calibration=has_qfilters),
     Policy("leverage", leverage, (("ridge", 1e-2), ("seed", 0), ("sketch_dimension", 48))),
     Policy("lagkv", lagkv, (("cross_scoring", False), ("lag_size", 128), ("n_sink", 4))),
     Policy("cur", cur, (("leverage_type", "kv_product"), ("local_window_size", 16), ("num_sinks", 4),
