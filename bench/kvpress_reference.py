@@ -7,13 +7,19 @@
 
 Runs under the kvpress interpreter (.venv-kvpress: kvpress needs transformers < 5.3). Loads the HF folder once
 in fp32 with sdpa attention (AdaKV's masking refuses eager), then for each press (comma-separated vdjax names:
-keydiff, keynorm, adakv:<base>, criticalkv:<base>, criticaladakv:<base>, pyramidkv) prefills the ids (a JSON
-list) once under it and records, per layer and KV head, the sorted prompt positions it keeps: a gathering
-press's (ScorerPress: KeyDiff, Knorm, CriticalKV, PyramidKV) by matching its kept key rows to the full ones
-exactly, a masking press's (AdaKV, CriticalAdaKV) as the complement of `module.masked_key_indices`.
+keydiff, keynorm, expected_attention, cur, random, adakv:<base>, criticalkv:<base>, criticaladakv:<base>,
+pyramidkv) prefills the ids (a JSON list) once under it and records, per layer and KV head, the sorted prompt
+positions it keeps: a gathering press's (ScorerPress: KeyDiff, Knorm, ExpectedAttention, CUR, Random,
+CriticalKV, PyramidKV) by matching its kept key rows to the full ones exactly, a masking press's (AdaKV,
+CriticalAdaKV) as the complement of `module.masked_key_indices`.
 compression_ratio is 1 - budget / T (kvpress's n_kept = int(T * (1 - ratio)) must come out as the budget).
 
-Writes {"T", "budget", "ratio", "presses": {name: {"press": repr, "kept": [layer][head][positions],
+`--presses FILE` instead: a JSON object {id: {"policy": vdjax name, "kwargs": {...}}}, the keywords given to
+the base press (e.g. {"use_vnorm": false} for ExpectedAttentionPress; names as vdjax's, which are kvpress's).
+`random` is RandomPress with its draw replaced by the numbers of `--random-scores` (a .npy [L, K, T]: per
+layer and KV head the score of each prompt position, e.g. vdjax's own), so both sides rank the same numbers.
+
+Writes {"T", "budget", "ratio", "presses": {id: {"press": repr, "kept": [layer][head][positions],
 "layer_budgets": [cache length of each layer after a gathering press; None for a masking one]}}}.
 """
 
@@ -33,17 +39,52 @@ from kvpress.presses.base_press import BasePress
 from kvpress.utils import compute_n_kept
 from transformers import AutoModelForCausalLM, DynamicCache
 
-BASES = {"keydiff": kvpress.KeyDiffPress, "keynorm": kvpress.KnormPress}
+
+@dataclasses.dataclass
+class GivenRandomPress(kvpress.RandomPress):
+    """RandomPress ranking given numbers instead of its torch.rand draw: `draws` [L, K, T], layer l's scores
+    draws[l] (the rest, the top-k and the gather, is RandomPress's own)."""
+
+    draws: np.ndarray = dataclasses.field(default=None, repr=False)
+
+    def score(self, module, hidden_states, keys, values, attentions, kwargs):
+        """The given draw of this layer, [1, K, T] in the keys' dtype."""
+        s = torch.from_numpy(np.ascontiguousarray(self.draws[module.layer_idx]))[None].to(keys.dtype)
+        if s.shape != keys.shape[:-1]:
+            raise ValueError(f"--random-scores holds {tuple(s.shape)} for layer {module.layer_idx}, the keys "
+                             f"{tuple(keys.shape[:-1])}")
+        return s
+
+
+BASES = {"keydiff": kvpress.KeyDiffPress, "keynorm": kvpress.KnormPress,
+         "expected_attention": kvpress.ExpectedAttentionPress, "cur": kvpress.CURPress,
+         "random": GivenRandomPress}
 MASKING = (kvpress.AdaKVPress, kvpress.CriticalAdaKVPress)
 
 
-def make_press(name: str, ratio: float, a) -> BasePress:
-    """The kvpress press of a vdjax policy name at `ratio`, with the hyper-parameters of `a`."""
+def make_base(base: str, ratio: float, kwargs: dict, a) -> BasePress:
+    """The base ScorerPress of a vdjax base policy name at `ratio` with `kwargs` (its own field names)."""
+    cls = BASES[base]
+    kwargs = dict(kwargs)
+    if base == "random":
+        if a.random_scores is None:
+            raise SystemExit("press random needs --random-scores (the numbers both sides rank)")
+        kwargs["draws"] = np.load(a.random_scores)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(kwargs) - fields)
+    if unknown:
+        raise SystemExit(f"{cls.__name__} has no field(s) {unknown}")
+    return cls(compression_ratio=ratio, **kwargs)
+
+
+def make_press(name: str, ratio: float, a, kwargs: dict | None = None) -> BasePress:
+    """The kvpress press of a vdjax policy name at `ratio`, with the hyper-parameters of `a` (the wrappers')
+    and `kwargs` (the base press's)."""
     if name == "pyramidkv":
         return kvpress.PyramidKVPress(compression_ratio=ratio, window_size=a.window_size,
-                                      kernel_size=a.kernel_size, beta=a.beta)
+                                      kernel_size=a.kernel_size, beta=a.beta, **(kwargs or {}))
     wrapper, _, base = name.rpartition(":")
-    press = BASES[base](compression_ratio=ratio)
+    press = make_base(base, ratio, kwargs or {}, a)
     if wrapper == "adakv":
         return kvpress.AdaKVPress(press, alpha_safeguard=a.alpha_safeguard)
     if wrapper == "criticalkv":
@@ -102,7 +143,10 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="HF checkpoint folder")
     p.add_argument("--ids", required=True, help="JSON list of prompt token ids")
-    p.add_argument("--press", required=True, help="comma-separated vdjax policy names")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--press", help="comma-separated vdjax policy names")
+    which.add_argument("--presses", help='JSON file: {id: {"policy": name, "kwargs": {base press keywords}}}')
+    p.add_argument("--random-scores", help="random's draws: .npy [L, K, T] (float32)")
     p.add_argument("--budget", type=int, required=True, help="kept positions per head (kvpress n_kept)")
     p.add_argument("--window-size", type=int, default=64, help="PyramidKV/SnapKV window")
     p.add_argument("--kernel-size", type=int, default=5, help="PyramidKV/SnapKV pooling kernel")
@@ -128,8 +172,13 @@ def main(argv=None):
                                                  attn_implementation="sdpa").eval()
     x = torch.tensor([ids], dtype=torch.int64)
     result = {"T": t, "budget": a.budget, "ratio": ratio, "presses": {}}
-    for name in a.press.split(","):
-        rec = Recorder(press=make_press(name, ratio, a))
+    if a.presses:
+        given = json.loads(Path(a.presses).read_text())
+        specs = {k: (v["policy"], v.get("kwargs", {})) for k, v in given.items()}
+    else:
+        specs = {name: (name, {}) for name in a.press.split(",")}
+    for name, (policy, kwargs) in specs.items():
+        rec = Recorder(press=make_press(policy, ratio, a, kwargs))
         t0 = time.perf_counter()
         with torch.inference_mode(), rec(model):
             model(input_ids=x, past_key_values=DynamicCache(), logits_to_keep=1)

@@ -3,9 +3,10 @@
 bench/vs_kvpress.py says plainly how to create the kvpress environment when it is missing, and a tiny
 KeyDiff run (54 s on 2 cores with other jobs holding about one of them) agrees at layer 0, where BlockPress's
 simulated blocks equal vdjax's true ones. The adaptive budgets (adakv:, criticalkv:, criticaladakv:,
-pyramidkv) keep, in full-prefill mode (one block of the whole prompt), the positions kvpress's presses keep,
-layer by layer and KV head by KV head (bench/kvpress_reference.py records kvpress's side; one model load for
-all presses)."""
+pyramidkv) and the query-agnostic scorers expected_attention, cur and random keep, in full-prefill mode (one
+block of the whole prompt), the positions kvpress's presses keep, layer by layer and KV head by KV head
+(bench/kvpress_reference.py records kvpress's side; one model load for all presses). RandomPress ranks
+vdjax's draw there (`random_draws`): the comparison checks which numbers the engine draws and how it cuts."""
 
 import json
 import subprocess
@@ -55,12 +56,24 @@ def test_tiny_keydiff_run_agrees_at_layer_0(tmp_path, smollm2_dir):
 T, N = 512, 128  # kvpress's compression_ratio 0.75: n_kept = T * (1 - ratio) = N exactly, and CriticalKV's
 # stage-1 budget int((1 - ratio) * T * 0.5) = vdjax's int(0.5 * N)
 PYRAMID_WINDOW = 4  # PyramidKV's pyramid needs N / beta >= window_size (else every layer gets N): 6.4 >= 4
-PRESSES = ["keydiff", "adakv:keydiff", "adakv:keynorm", "criticalkv:keydiff", "criticaladakv:keydiff",
-           "pyramidkv"]
+# test id -> (vdjax policy, keywords: vdjax's, given to kvpress's base press too)
+PRESSES = {"keydiff": ("keydiff", {}), "adakv:keydiff": ("adakv:keydiff", {}),
+           "adakv:keynorm": ("adakv:keynorm", {}), "criticalkv:keydiff": ("criticalkv:keydiff", {}),
+           "criticaladakv:keydiff": ("criticaladakv:keydiff", {}), "pyramidkv": ("pyramidkv", {}),
+           # ExpectedAttentionPress() as it comes: use_vnorm, n_sink 4, 512 future positions, covariance
+           "expected_attention": ("expected_attention", {}),
+           "adakv:expected_attention": ("adakv:expected_attention", {}),
+           # kvpress warns that use_vnorm should be off under CriticalAdaKV (its ||W_o v||_1 replaces it)
+           "criticaladakv:expected_attention[use_vnorm=False]": ("criticaladakv:expected_attention",
+                                                                 {"use_vnorm": False}),
+           "cur": ("cur", {}),  # CURPress(): kv_product, windows of 16, 4 sinks
+           "random": ("random", {})}  # RandomPress ranking vdjax's draw (`random_draws`)
 HEAD_ADAPTIVE = ("adakv:", "criticaladakv:")
-# Measured on SmolLM2-135M (random ids, seed 0): 0 of 11,520 kept positions differ for every press, per-head
-# counts and PyramidKV's layer budgets equal. The allowance is for ties and fp32 rounding (torch vs XLA) at
-# the cut on other CPUs: 0.1 % of positions, 11 here; an off-by-one budget or a wrong score moves far more.
+# Measured on SmolLM2-135M (random ids, seed 0): 0 of 11,520 kept positions differ for every press (the
+# expected_attention ones included), per-head counts and PyramidKV's layer budgets equal. The allowance is for
+# ties and fp32 rounding (torch vs XLA) at the cut on other CPUs: 0.1 % of positions, 11 here; an off-by-one
+# budget or a wrong score moves far more (vdjax's expected_attention without its covariance term: 1,192;
+# use_vnorm off: 705; cur's kv_avg for kv_product: 225; random from another seed: 8,666).
 MAX_DIFFERING = 0.001
 
 
@@ -69,6 +82,25 @@ def prompt_ids(smollm2_dir):
     """T random but fixed token ids of SmolLM2's vocabulary."""
     vocab = json.loads((smollm2_dir / "config.json").read_text())["vocab_size"]
     return np.random.default_rng(0).integers(0, vocab, T).astype(np.int32)
+
+
+def random_draws(config: dict, seed: int = 0) -> np.ndarray:
+    """vdjax's random scores of the prompt's positions in a full prefill, [L, K, T]: the registered policy's
+    score called as the engine calls it there (layer l, the block's queries at 0 .. T - 1, the candidates the
+    N empty cache slots and then the T prompt tokens, `evict._candidates`'s layout). If the engine drew other
+    numbers the kept sets would share about N / T of their positions, not all."""
+    import jax.numpy as jnp
+
+    import vdjax
+    from vdjax.engine.scores import AttnInfo
+
+    kh = config["num_key_value_heads"]
+    cand = jnp.concatenate([jnp.full(N, -1), jnp.arange(T)]).astype(jnp.int32)
+    pos = jnp.broadcast_to(cand, (1, kh, N + T))
+    q_pos = jnp.arange(T, dtype=jnp.int32)[None]
+    pol = vdjax.get_policy("random")
+    return np.stack([np.asarray(pol(None, None, AttnInfo(None, q_pos, None, layer=layer), pos, slots=N,
+                                    seed=seed))[0, :, N:] for layer in range(config["num_hidden_layers"])])
 
 
 @pytest.fixture(scope="module")
@@ -80,10 +112,13 @@ def kvpress_kept(tmp_path_factory, smollm2_dir, prompt_ids):
         return
     d = tmp_path_factory.mktemp("kvpress_reference")
     (d / "ids.json").write_text(json.dumps(prompt_ids.tolist()))
+    presses = {name: {"policy": policy, "kwargs": kw} for name, (policy, kw) in PRESSES.items()}
+    (d / "presses.json").write_text(json.dumps(presses))
+    np.save(d / "random.npy", random_draws(json.loads((smollm2_dir / "config.json").read_text())))
     proc = subprocess.Popen([str(KVPRESS_PYTHON), str(REFERENCE), "--model", str(smollm2_dir), "--ids",
-                             str(d / "ids.json"), "--press", ",".join(PRESSES), "--budget", str(N),
-                             "--window-size", str(PYRAMID_WINDOW), "--threads", "1", "--out",
-                             str(d / "kept.json")],
+                             str(d / "ids.json"), "--presses", str(d / "presses.json"), "--random-scores",
+                             str(d / "random.npy"), "--budget", str(N), "--window-size", str(PYRAMID_WINDOW),
+                             "--threads", "1", "--out", str(d / "kept.json")],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     result = {}
 
@@ -135,29 +170,32 @@ def _first_difference(vd, ref) -> str:
 
 
 @needs_kvpress
-@pytest.mark.parametrize("policy", PRESSES)
-def test_full_prefill_keeps_what_kvpress_keeps(policy, params, prompt_ids, kvpress_kept):
+@pytest.mark.parametrize("press", PRESSES)
+def test_full_prefill_keeps_what_kvpress_keeps(press, params, prompt_ids, kvpress_kept):
     import vdjax
 
-    kw = {"window_size": PYRAMID_WINDOW} if policy == "pyramidkv" else {}
+    policy, kw = PRESSES[press]
+    kw = {"window_size": PYRAMID_WINDOW, **kw} if policy == "pyramidkv" else kw
     # one scan step for every layer compiles much faster; PyramidKV's layer budgets need the unrolled layers
     scan = policy != "pyramidkv"
     cache, _ = vdjax.prefill(params, prompt_ids[None], policy, N, block_size=T, layer_scan=scan, **kw)
     vd = [layer[0] for layer in vdjax.kept_positions(cache)]  # row 0: [layer][head]
-    ref = kvpress_kept()["presses"][policy]
+    ref = kvpress_kept()["presses"][press]
     assert kvpress_kept()["T"] == T and kvpress_kept()["budget"] == N
 
     total, differ, counts = _compare(vd, ref["kept"])
     kh = params.config.num_kv_heads
     assert total == params.config.num_layers * kh * N  # the same memory: L * K * N in all
-    assert differ <= MAX_DIFFERING * total, (f"{policy}: {differ} of {total} kept positions differ; "
+    assert differ <= MAX_DIFFERING * total, (f"{press}: {differ} of {total} kept positions differ; "
                                              + _first_difference(vd, ref["kept"]))
     if policy.startswith(HEAD_ADAPTIVE):
         # kvpress's head budgets: the per-head counts, unequal (else the test would not test the pooling)
-        assert not counts, f"{policy}: per-head counts differ: {counts[:5]}"
+        assert not counts, f"{press}: per-head counts differ: {counts[:5]}"
         assert any(len({len(h) for h in layer}) > 1 for layer in ref["kept"])
     else:
         assert all(len(h) == n for layer, n in zip(vd, ref["layer_budgets"], strict=True) for h in layer)
+    if policy == "random":  # a new draw per layer: layers keep different positions
+        assert len(set(ref["kept"][0][0]) & set(ref["kept"][1][0])) < N // 2
     if policy == "pyramidkv":
         budgets = ref["layer_budgets"]
         assert len(set(budgets)) > 1 and budgets[0] > N > budgets[-1], budgets  # the pyramid is active

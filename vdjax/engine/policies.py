@@ -5,6 +5,40 @@ resolves it once per call into a hashable `BoundPolicy` that the jit programs ta
 policies are one function and one `register` line away:
 
     vdjax.register(vdjax.Policy("mine", lambda k, v, attn, pos, **_: -pos.astype(jnp.float32)))
+
+What a score reads is one typed context, `scores.AttnInfo`: the block's attention probabilities over the
+candidates, the accumulated attention (`accumulates=True`), the layer index and weights (`attn.weights`), the
+layer's RoPE frequencies, and with `queries=True` the block's pre-RoPE queries and their running statistics,
+which the cache carries from block to block and step to step; a per-token feature computed once when a token
+enters (`token_feature`) is carried per slot and read as `attn.feature`.
+
+kvpress 0.5.5's presses in true block mode (kvpress runs each once after a full prefill; with
+`block_size >= T` and a batch of one these keep kvpress's positions, tests/test_vs_kvpress.py). At a block
+boundary a score sees the N cache slots plus the block; a decode step is a block of one token:
+- `expected_attention`: the statistics of every query so far but the first `n_sink` (`stats="all"`) or of the
+  block's (`"block"`; a decode step always uses every query so far), the RoPE averaged over the
+  `n_future_positions` positions after the newest token; the softmax runs over the non-sink candidates.
+- `lagkv`: partitions of absolute positions after the sinks, the prompt so far (decoded tokens included) as
+  its length: a complete partition with a complete successor is scored against it, the newest complete one and
+  the incomplete rest are kept as sinks are; a partition's members are those still cached.
+- `cur`: 16-position windows of absolute positions over the candidates still cached.
+- `leverage`: the candidates' pre-RoPE keys (the cache unrotated), centred over the head's candidates, one
+  Gaussian sketch per layer and KV head from `seed`, z-scored over the row.
+- `qfilter`: filters fitted by `vdjax analyze --qfilters`; `random`: a new draw per layer, row and step.
+
+Budget wrappers (`wrapper:base` names, or `adakv(base)` etc.), composable with every policy and with
+`protect_sinks` (`adakv:valuediff+sinks4`); `combine` refuses parts that set budgets (wrap the combination):
+- `pyramidkv:base` / `pyramidkv`: per-layer budgets by PyramidKV's rule with T = the prompt length (the
+  longest row of a batch, as kvpress's padded batch); fixed after the prefill. Memory: the layers' slots sum
+  to L * N up to rounding. `budget` may also be a sequence, one per attention layer. Without the layer scan
+  when budgets differ by layer (a scan step needs one cache size).
+- `adakv:base`, `criticaladakv:base`: a layer's K KV heads share one pool of K * N slots (k, v [B, 1, K*N, D]
+  and a head index per slot, `cache.LayerCache`); attention and scores read a per-head view of the pool (each
+  head its own slots), and at every block and step the layer keeps its best K * N candidates across heads
+  (`adaptive`). Memory: the uniform cache's plus one int32 per slot; attention reads K * N slots per head.
+- `criticalkv:base`: a score wrapper (uniform slots); ||W_o v||_1 is computed once per token and carried.
+- `chunkkv:base`: whole chunks of absolute positions by the base score summed over heads; the cache is filled
+  to N, the last chunk cut to its earliest positions.
 """
 
 from __future__ import annotations
