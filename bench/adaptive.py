@@ -156,7 +156,7 @@ def _get(res: dict, *path):
 
 def table(a, results: dict[str, dict]) -> str:
     """One Markdown row per policy, every value with its ratio to the baseline's."""
-    base = results.get(BASELINE, {})
+    base = results.get(a.baseline, {})
     cols = [(f"prefill {B.klabel(n)} tok/s", ("prefill", str(n), "tok_s"), ",.0f") for n in a.length_list]
     dec = f"decode tok/s (batch 1, {B.klabel(a.prompt)} prompt, {a.new} new)"
     cols += [(dec, ("decode", "tok_s"), ",.1f"),
@@ -183,7 +183,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--policies", default=",".join(POLICIES),
-                    help=f"comma-separated; {BASELINE} (the ratios' base) is added first if missing")
+                    help="comma-separated; the baseline (the ratios' base) is added first if missing")
+    ap.add_argument("--baseline", default=BASELINE,
+                    help=f"the policy every ratio is taken against (default {BASELINE}; e.g. streaming, the "
+                         "cheapest, for the scorers' speed goal)")
     ap.add_argument("--lengths", help="prefill lengths (default 2048,8192; --quick 512)")
     ap.add_argument("--prompt", type=int, help="decode prompt length (default 2048; --quick 512)")
     ap.add_argument("--budget", type=int, default=512)
@@ -221,7 +224,7 @@ def main(argv=None) -> int:
     command = shlex.join([".venv/bin/python", os.path.relpath(Path(__file__).resolve(), Path.cwd())]
                          + sys.argv[1:])
     policies = [p for p in a.policies.split(",") if p]
-    policies = [BASELINE] + [p for p in policies if p != BASELINE]
+    policies = [a.baseline] + [p for p in policies if p != a.baseline]
     ids, corpus_n = B.corpus_tokens(vdjax.load_tokenizer(a.model), max(a.length_list + [a.prompt]))
     tok_file = Path(tempfile.mkdtemp(prefix="vdadaptive-")) / "tokens.npy"
     np.save(tok_file, ids)
@@ -244,7 +247,7 @@ def main(argv=None) -> int:
         f"- command: `{command}`",
         f"- model `{a.model}` (fp32), N={a.budget}, B={a.block}; prompts: the first T tokens of CPython's "
         f"pydoc topics ({corpus_n} tokens{', repeated' if corpus_n < len(ids) else ''}); every policy in a "
-        f"fresh process; warm, best of {a.reps} timed calls; (x) = ratio to uniform `{BASELINE}` of this run",
+        f"fresh process; warm, best of {a.reps} timed calls; (x) = ratio to `{a.baseline}` of this run",
         "",
         table(a, results),
         "",

@@ -299,9 +299,12 @@ def test_jit_equals_eager_scores():
     def jit_scores(pol, kw):
         return jax.jit(lambda a, b, c, d: pol(a, b, c, d, slots=N, **kw))
 
+    # the keywords a policy cannot run without (a saved mix or filters in a checkpoint, none here)
+    needed = {"hybrid": {"mix": HYBRID_W},
+              "qfilter": {"filters": np.random.RandomState(7).randn(1, K, D).round(3).tolist()}}
     for name in POLICY_NAMES:
         pol = vdjax.get_policy(name)
-        kw = {"mix": HYBRID_W} if name == "hybrid" else {}
+        kw = needed.get(name, {})
         eager = pol(k, v, attn, jnp.asarray(pos), slots=N, **kw)
         jitted = jit_scores(pol, kw)(k, v, attn, jnp.asarray(pos))
         chex.assert_shape([eager, jitted], (B, K, C))

@@ -355,11 +355,14 @@ def combine(weights: Mapping[Policy | str, float], name: str | None = None) -> P
         raise ValueError(f"combine mixes scores; {adaptive} set budgets: wrap the combination instead "
                          "(e.g. vdjax.adakv(vdjax.combine(...)))")
     defaults = tuple(sorted({kv for p, _ in parts for kv in p.defaults}))
+    features = {p.token_feature for p, _ in parts if p.token_feature is not None}
     return Policy(
         name or "+".join(f"{w:g}*{p.name}" for p, w in parts),
         _Combined(parts),
         defaults,
         accumulates=any(p.accumulates for p, _ in parts),
+        queries=any(p.queries for p, _ in parts),  # a part reading queries gets them (and their statistics)
+        token_feature=features.pop() if len(features) == 1 else None,  # else each part computes its own
     )
 
 

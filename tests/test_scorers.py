@@ -1,0 +1,369 @@
+"""The query-agnostic scorers that read more than k, v and the block's attention (expected_attention, cur,
+random) against plain NumPy references written from kvpress 0.5.5's presses (ExpectedAttentionPress,
+CURPress, RandomPress), not from vdjax's code; `cache.QueryStats` (the running query statistics
+expected_attention reads) against a NumPy mean and covariance, in a unit test and as a tiny model's cache
+carries them over a ragged multi-block prefill.
+
+tests/test_policies.py's `test_score_matches_numpy` covers every other registered policy and checks that
+each registered policy has a reference in one of the two files (`REFERENCED` here)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import vdjax
+from vdjax.engine import policies as P
+from vdjax.engine.cache import QueryStats
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from helpers import random_ids, random_params, tiny_config  # noqa: E402
+
+# the registered policies whose references live here (test_policies.py checks every policy has one)
+REFERENCED = ("expected_attention", "cur", "random")
+
+B, K, G, S, N, D = 2, 3, 2, 5, 11, 8
+C, NQ = N + S, K * G
+PAST = 40  # queries at positions 0 .. PAST - 1 came in earlier blocks (their statistics carried)
+
+
+def _inputs(seed=0, empty=3):
+    """Candidates [B, K, C] (N cache slots, some empty, then the block's S tokens; row 1's block ends early),
+    the block's pre-RoPE queries [B, S, Nq, D] and the earlier ones [B, PAST, Nq, D]."""
+    rng = np.random.RandomState(seed)
+    k = rng.randn(B, K, C, D).astype(np.float32)
+    v = rng.randn(B, K, C, D).astype(np.float32)
+    pos = np.empty((B, K, C), np.int32)
+    for b in range(B):
+        for h in range(K):
+            pos[b, h, :N] = rng.permutation(PAST)[:N]
+            pos[b, h, rng.choice(N, empty, replace=False)] = -1
+    q_pos = np.array([[40, 41, 42, 43, 44], [40, 41, 42, -1, -1]], np.int32)
+    pos[:, :, N:] = q_pos[:, None, :]
+    # a mean away from 0, so the mean term matters next to the covariance's
+    queries = (0.7 * rng.randn(B, S, NQ, D) + rng.randn(1, 1, NQ, D)).astype(np.float32)
+    past = (0.7 * rng.randn(B, PAST, NQ, D) + rng.randn(1, 1, NQ, D)).astype(np.float32)
+    return k, v, pos, q_pos, queries, past
+
+
+# ---- QueryStats -------------------------------------------------------------------------------------------
+def ref_stats(q, use):
+    """NumPy count, mean and covariance (divided by the count) over the used queries: q [B, S, Nq, D]."""
+    n, mean, cov = [], [], []
+    for b in range(q.shape[0]):
+        x = q[b][use[b]].astype(np.float64)  # [n, Nq, D]
+        n.append(len(x))
+        mu = x.mean(0) if len(x) else np.zeros(q.shape[2:])
+        c = x - mu
+        mean.append(mu)
+        cov.append(np.einsum("sni,snj->nij", c, c) / max(len(x), 1))
+    return np.array(n), np.array(mean), np.array(cov)
+
+
+def _assert_stats(st, q, use, rtol=2e-5, atol=2e-6):
+    n, mean, cov = ref_stats(q, use)
+    np.testing.assert_array_equal(np.asarray(st.n), n)
+    np.testing.assert_allclose(np.asarray(st.mean), mean, rtol=rtol, atol=atol)
+    np.testing.assert_allclose(np.asarray(st.cov), cov, rtol=rtol, atol=atol)
+    np.testing.assert_allclose(np.asarray(st.m2), cov * np.maximum(n, 1)[:, None, None, None], rtol=rtol,
+                               atol=atol * max(1, n.max()))
+
+
+def test_query_stats_of_is_the_numpy_mean_and_covariance():
+    rng = np.random.RandomState(0)
+    q = (rng.randn(3, 9, 2, 4) + 2.0).astype(np.float32)
+    use = rng.rand(3, 9) < 0.6
+    use[2] = False  # a row with no query: n 0, mean and covariance 0 (no NaN)
+    st = QueryStats.of(jnp.asarray(q), jnp.asarray(use))
+    _assert_stats(st, q, use)
+    assert np.all(np.asarray(st.mean)[2] == 0) and np.all(np.asarray(st.m2)[2] == 0)
+
+
+@pytest.mark.parametrize("split", [1, 4, 8])
+def test_query_stats_merge_of_two_halves_is_the_stats_of_the_whole(split):
+    """Chan's pairwise merge of the first `split` queries' statistics with the rest's equals the statistics of
+    all of them (and of the NumPy reference); merging an empty side changes nothing."""
+    rng = np.random.RandomState(split)
+    q = (rng.randn(3, 9, 2, 4) * 1.5 + 3.0).astype(np.float32)
+    use = rng.rand(3, 9) < 0.7
+    use[1, :split] = False  # row 1: its first part holds no query
+    use[2] = False  # row 2: nothing at all
+    first = QueryStats.of(jnp.asarray(q[:, :split]), jnp.asarray(use[:, :split]))
+    rest = QueryStats.of(jnp.asarray(q[:, split:]), jnp.asarray(use[:, split:]))
+    whole = QueryStats.of(jnp.asarray(q), jnp.asarray(use))
+    merged = first.merge(rest)
+    _assert_stats(merged, q, use)
+    for a, b in ((merged.n, whole.n), (merged.mean, whole.mean), (merged.m2, whole.m2)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5)
+    empty = QueryStats.empty(3, 2, 4)
+    for st in (empty.merge(whole), whole.merge(empty)):
+        for a, b in ((st.n, whole.n), (st.mean, whole.mean), (st.m2, whole.m2)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+
+
+def test_query_stats_merge_block_by_block():
+    """Blocks merged one after another (the engine's running statistics) give the stats of them all."""
+    rng = np.random.RandomState(5)
+    q = (rng.randn(2, 24, 3, 4) + 1.0).astype(np.float32)
+    use = rng.rand(2, 24) < 0.8
+    st = QueryStats.empty(2, 3, 4)
+    for lo in range(0, 24, 5):
+        st = st.merge(QueryStats.of(jnp.asarray(q[:, lo:lo + 5]), jnp.asarray(use[:, lo:lo + 5])))
+    _assert_stats(st, q, use)
+
+
+def test_engine_carries_the_query_stats_of_every_prompt_query(tmp_path):
+    """After a ragged multi-block prefill under expected_attention, each row's layer-0 statistics in the cache
+    are the NumPy mean and covariance of its layer-0 pre-RoPE queries at positions n_sink .. length - 1
+    (padding and the sinks left out)."""
+    from models import transformer as tf
+
+    cfg = tiny_config()
+    params = random_params(cfg, seed=1)
+    lengths = (13, 9)
+    ids = [random_ids(n, cfg.vocab_size, seed=n) for n in lengths]
+    n_sink = 3
+    cache, _ = vdjax.prefill(params, ids, "expected_attention", 4, block_size=4, n_sink=n_sink,
+                             layer_scan=False)
+    st = cache.layers[0].stats
+    lw = params.weights["layers"][0]
+    t = max(lengths)
+    tokens = np.stack([np.pad(r, (0, t - len(r))) for r in ids])
+    h = tf.rms_norm(tf.embed(params, jnp.asarray(tokens)), lw["attn_norm"], cfg.rms_norm_eps, cfg.norm_offset)
+    positions = jnp.broadcast_to(jnp.arange(t)[None], (len(ids), t))
+    q = np.asarray(tf.project_qkv(lw, h, positions, cfg, jnp.asarray(tf.rope_inv_freq(cfg)),
+                                  with_queries=True)[-1])  # [B, T, Nq, D] before RoPE
+    use = (np.arange(t)[None] >= n_sink) & (np.arange(t)[None] < np.array(lengths)[:, None])
+    _assert_stats(st, q, use, rtol=1e-4, atol=1e-5)
+
+
+# ---- expected_attention ------------------------------------------------------------------------------------
+def ref_avg_rope(inv_freq, d, first, count, scale):
+    """kvpress's `apply_avg_rope` matrix R [d, d]: the mean over positions first .. first + count - 1 of
+    cos * I + sin * P (HF's rotate_half layout, cos and sin times the RoPE scale); identity on the dims past
+    the rotated ones."""
+    r = 2 * len(inv_freq)
+    half = np.eye(r // 2)
+    p_mat = np.zeros((r, r))
+    p_mat[r // 2:, :r // 2], p_mat[:r // 2, r // 2:] = half, -half
+    rot = np.zeros((r, r))
+    for p in range(first, first + count):
+        ang = p * inv_freq.astype(np.float64)
+        cos, sin = np.tile(np.cos(ang), 2) * scale, np.tile(np.sin(ang), 2) * scale
+        rot += cos[None, :] * np.eye(r) + sin[None, :] * p_mat
+    out = np.eye(d)
+    out[:r, :r] = rot / count
+    return out
+
+
+def ref_expected_attention(k, v, pos, q_pos, queries, past, inv_freq, scale, *, n_future_positions=512,
+                           n_sink=4, use_covariance=True, use_vnorm=True, epsilon=0.0, stats="all"):
+    """kvpress's ExpectedAttentionPress.score, row by row and KV head by KV head: mean and covariance of the
+    pre-RoPE queries at positions >= n_sink ("all": the earlier ones at 0 .. PAST - 1 and the block's;
+    "block": the block's), rotated by the average RoPE of the next positions, the softmax over the non-sink
+    candidates of k.mu/sqrt(d) + k^T cov k/(2d), mean over the GQA group, (+ epsilon) times ||v||."""
+    out = np.zeros(pos.shape)
+    d = k.shape[-1]
+    for b in range(pos.shape[0]):
+        block = queries[b][q_pos[b] >= n_sink]
+        if stats == "all" or len(q_pos[b]) == 1:
+            block = np.concatenate([past[b][np.arange(past.shape[1]) >= n_sink], block])
+        x = block.astype(np.float64)  # [n, Nq, D]
+        mu = x.mean(0)
+        cov = np.einsum("sni,snj->nij", x - mu, x - mu) / len(x)
+        rot = ref_avg_rope(inv_freq, d, q_pos[b].max() + 1, n_future_positions, scale)
+        mu, cov = mu @ rot.T, rot @ cov @ rot.T
+        for h in range(k.shape[1]):
+            kk = k[b, h].astype(np.float64)
+            scored = pos[b, h] >= n_sink
+            probs = []
+            for g in range(G):
+                qh = h * G + g  # repeat_kv: query head qh reads KV head qh // G
+                logit = kk @ mu[qh] / np.sqrt(d)
+                if use_covariance:
+                    logit = logit + np.einsum("ci,ij,cj->c", kk, cov[qh], kk) / d / 2
+                e = np.where(scored, np.exp(logit - logit[scored].max()), 0.0)
+                probs.append(e / e.sum())
+            s = np.mean(probs, axis=0)
+            if use_vnorm:
+                s = (s + epsilon) * np.linalg.norm(v[b, h].astype(np.float64), axis=-1)
+            out[b, h] = np.where(pos[b, h] < n_sink, np.inf, s)
+    return out
+
+
+def _attn(q_pos, queries, past, inv_freq, scale, n_sink, layer=0):
+    """The AttnInfo the engine gives a queries-reading policy: the block's queries, the running statistics
+    (the earlier blocks' merged with this one's, positions < n_sink left out), the RoPE frequencies."""
+    past_pos = np.broadcast_to(np.arange(past.shape[1]), past.shape[:2])
+    stats = QueryStats.of(jnp.asarray(past), jnp.asarray(past_pos >= n_sink)).merge(
+        QueryStats.of(jnp.asarray(queries), jnp.asarray(q_pos >= n_sink)))
+    return P.AttnInfo(None, jnp.asarray(q_pos), None, layer=layer, queries=jnp.asarray(queries), stats=stats,
+                      inv_freq=jnp.asarray(inv_freq), rope_scale=scale)
+
+
+ROPE = {"full": (1.0 / 10000 ** (np.arange(0, D, 2) / D)).astype(np.float32),
+        "partial": (1.0 / 500 ** (np.arange(0, D // 2, 2) / (D // 2))).astype(np.float32)}  # first D / 2 dims
+
+
+@pytest.mark.parametrize("stats", ["all", "block"])
+@pytest.mark.parametrize("use_covariance", [True, False])
+def test_expected_attention_matches_numpy(stats, use_covariance):
+    k, v, pos, q_pos, queries, past = _inputs()
+    inv_freq = ROPE["full"]
+    attn = _attn(q_pos, queries, past, inv_freq, 1.0, 4)
+    kw = dict(stats=stats, use_covariance=use_covariance)
+    got = np.asarray(vdjax.get_policy("expected_attention")(k, v, attn, jnp.asarray(pos), slots=N, **kw))
+    ref = ref_expected_attention(k, v, pos, q_pos, queries, past, inv_freq, 1.0, **kw)
+    valid = pos >= 0
+    np.testing.assert_array_equal(np.isposinf(got[valid]), np.isposinf(ref[valid]))
+    assert np.isposinf(ref[valid]).any() and np.isfinite(ref[valid]).sum() > 20  # sinks and scored ones
+    np.testing.assert_allclose(got[valid], ref[valid], rtol=2e-4, atol=1e-7)
+    # the two modes and the covariance term really change the scores
+    other = dict(stats="block" if stats == "all" else "all", use_covariance=not use_covariance)
+    for key, value in other.items():
+        alt = ref_expected_attention(k, v, pos, q_pos, queries, past, inv_freq, 1.0, **{**kw, key: value})
+        fin = valid & np.isfinite(ref)
+        assert not np.allclose(alt[fin], ref[fin], rtol=1e-2), key
+
+
+@pytest.mark.parametrize("case", [dict(use_vnorm=False), dict(epsilon=0.05, n_sink=2, n_future_positions=7),
+                                  dict(rope="partial", scale=1.3, n_future_positions=33),
+                                  dict(stats="block", n_sink=0)])
+def test_expected_attention_options_match_numpy(case):
+    """use_vnorm off, epsilon, another n_sink and horizon, partial RoPE with a RoPE scale (Qwen3.5, YaRN)."""
+    case = dict(case)
+    inv_freq, scale = ROPE[case.pop("rope", "full")], case.pop("scale", 1.0)
+    k, v, pos, q_pos, queries, past = _inputs(seed=3)
+    attn = _attn(q_pos, queries, past, inv_freq, scale, case.get("n_sink", 4))
+    got = np.asarray(vdjax.get_policy("expected_attention")(k, v, attn, jnp.asarray(pos), slots=N, **case))
+    ref = ref_expected_attention(k, v, pos, q_pos, queries, past, inv_freq, scale, **case)
+    valid = pos >= 0
+    np.testing.assert_allclose(got[valid], ref[valid], rtol=2e-4, atol=1e-7)
+
+
+def test_expected_attention_decode_step_reads_the_running_stats():
+    """A decode step (one query): "block" reads the running statistics, as "all" does."""
+    k, v, pos, q_pos, queries, past = _inputs(seed=4)
+    q1, pos1 = q_pos[:, :1], np.concatenate([pos[..., :N], pos[..., N:N + 1]], axis=-1)
+    k1, v1 = (np.concatenate([x[..., :N, :], x[..., N:N + 1, :]], axis=-2) for x in (k, v))
+    attn = _attn(q1, queries[:, :1], past, ROPE["full"], 1.0, 4)
+    pol = vdjax.get_policy("expected_attention")
+    ref = ref_expected_attention(k1, v1, pos1, q1, queries[:, :1], past, ROPE["full"], 1.0, stats="all")
+    valid = pos1 >= 0
+    for mode in ("all", "block"):
+        got = np.asarray(pol(k1, v1, attn, jnp.asarray(pos1), slots=N, stats=mode))
+        np.testing.assert_allclose(got[valid], ref[valid], rtol=2e-4, atol=1e-7)
+    with pytest.raises(ValueError, match="stats must be 'all' or 'block', got 'some'"):
+        pol(k1, v1, attn, jnp.asarray(pos1), slots=N, stats="some")
+
+
+# ---- cur ------------------------------------------------------------------------------------------------
+def ref_cur(k, v, pos, *, num_sinks=4, leverage_type="kv_product", local_window_size=16):
+    """kvpress's CURPress.score with use_local_approximation, on the candidates laid out by position (a
+    position no candidate holds contributes 0): squared norms padded to a multiple of the window, each
+    divided by its window's sum, combined, divided by the total; the sinks kept (+inf for kvpress's 1.0)."""
+    out = np.zeros(pos.shape)
+    w = local_window_size
+    for idx in np.ndindex(pos.shape[:-1]):
+        p, val = pos[idx], pos[idx] >= 0
+        t = -(-(p.max() + 1) // w) * w
+        k2, v2 = np.zeros(t), np.zeros(t)
+        k2[p[val]] = (k[idx][val].astype(np.float64) ** 2).sum(-1)
+        v2[p[val]] = (v[idx][val].astype(np.float64) ** 2).sum(-1)
+        with np.errstate(invalid="ignore"):  # a window without any candidate: 0 / 0, never read
+            k2 = (k2.reshape(-1, w) / k2.reshape(-1, w).sum(-1, keepdims=True)).reshape(-1)
+            v2 = (v2.reshape(-1, w) / v2.reshape(-1, w).sum(-1, keepdims=True)).reshape(-1)
+        s = {"key": k2, "value": v2, "kv_avg": (k2 + v2) / 2, "kv_product": k2 * v2}[leverage_type]
+        s = np.nan_to_num(s) / np.nansum(s)
+        s[:num_sinks] = np.inf
+        out[idx] = np.where(val, s[np.maximum(p, 0)], 0.0)
+    return out
+
+
+def _cur_inputs(seed):
+    """Candidates spread over 3 to 4 windows of 8 positions, some empty, so windows hold 1 to 8 of them."""
+    k, v, pos, *_ = _inputs(seed)
+    rng = np.random.RandomState(seed + 10)
+    for b in range(B):
+        for h in range(K):
+            pos[b, h] = rng.permutation(30)[:C]
+    pos[rng.rand(*pos.shape) < 0.2] = -1
+    return k, v, pos
+
+
+@pytest.mark.parametrize("leverage_type", ["kv_product", "kv_avg", "key", "value"])
+def test_cur_matches_numpy(leverage_type):
+    k, v, pos = _cur_inputs(0)
+    kw = dict(leverage_type=leverage_type, local_window_size=8, num_sinks=3)
+    got = np.asarray(vdjax.get_policy("cur")(k, v, None, jnp.asarray(pos), slots=N, **kw))
+    ref = ref_cur(k, v, pos, **kw)
+    valid = pos >= 0
+    np.testing.assert_array_equal(np.isposinf(got[valid]), np.isposinf(ref[valid]))
+    np.testing.assert_allclose(got[valid], ref[valid], rtol=2e-5, atol=1e-7)
+    assert np.isposinf(ref[valid]).any()
+    fin = valid & np.isfinite(ref)
+    if leverage_type == "kv_product":  # defaults: windows of 16, 4 sinks
+        got = np.asarray(vdjax.get_policy("cur")(k, v, None, jnp.asarray(pos), slots=N))
+        np.testing.assert_allclose(got[valid], ref_cur(k, v, pos)[valid], rtol=2e-5, atol=1e-7)
+        alt = ref_cur(k, v, pos, leverage_type="kv_avg", local_window_size=8, num_sinks=3)
+        assert not np.allclose(alt[fin], ref[fin])
+    with pytest.raises(ValueError, match="leverage_type must be one of"):
+        vdjax.get_policy("cur")(k, v, None, jnp.asarray(pos), slots=N, leverage_type="both")
+
+
+def test_cur_random_leverage_projects_on_the_layer_sketch():
+    """use_random_leverage: the same shares of k G and v G, G [D, 20] the layer's Gaussian sketch / sqrt(20)
+    drawn from (seed, layer); another layer or seed draws another sketch."""
+    k, v, pos = _cur_inputs(1)
+    pol = vdjax.get_policy("cur")
+    attn = P.AttnInfo(None, None, None, layer=3)
+    got = np.asarray(pol(k, v, attn, jnp.asarray(pos), slots=N, use_random_leverage=True, seed=7))
+    key = jax.random.fold_in(jax.random.PRNGKey(7), 3)
+    sketch = np.asarray(jax.random.normal(key, (D, 20))) / np.sqrt(20)
+    ref = ref_cur(k @ sketch, v @ sketch, pos)
+    valid = pos >= 0
+    np.testing.assert_allclose(got[valid], ref[valid], rtol=1e-4, atol=1e-7)
+    fin = valid & np.isfinite(ref)
+    for other in (P.AttnInfo(None, None, None, layer=4), attn):
+        seed = 7 if other is not attn else 8
+        alt = np.asarray(pol(k, v, other, jnp.asarray(pos), slots=N, use_random_leverage=True, seed=seed))
+        assert not np.allclose(alt[fin], got[fin])
+
+
+# ---- random ---------------------------------------------------------------------------------------------
+def _random(q_pos, layer, seed=0, c=C):
+    """random's scores of c candidates per KV head for rows whose block's query positions are q_pos."""
+    pos = np.broadcast_to(np.arange(c, dtype=np.int32), (q_pos.shape[0], K, c))
+    attn = P.AttnInfo(None, jnp.asarray(q_pos), None, layer=layer)
+    return np.asarray(vdjax.get_policy("random")(None, None, attn, jnp.asarray(pos), slots=N, seed=seed))
+
+
+def test_random_scores_are_uniform_and_reproducible():
+    q_pos = np.array([[40, 41, 42, 43, 44], [40, 41, 42, -1, -1], [60, 61, 62, 63, 64]], np.int32)
+    s = _random(q_pos, 0)
+    assert s.shape == (3, K, C) and s.dtype == np.float32
+    assert np.all((s >= 0) & (s < 1))
+    big = _random(q_pos, 0, c=4096)
+    assert abs(big.mean() - 0.5) < 0.01 and abs(big.var() - 1 / 12) < 0.005  # uniform's moments
+    assert len(np.unique(big)) > 0.99 * big.size
+    np.testing.assert_array_equal(_random(q_pos, 0), s)  # the same (seed, layer, last position): same draw
+    # a row alone equals the row inside the batch
+    for r in range(3):
+        np.testing.assert_array_equal(_random(q_pos[[r]], 0)[0], s[r])
+    # layer, step (last position) and seed each change the draw
+    assert not np.allclose(_random(q_pos, 1), s)
+    assert not np.allclose(_random(q_pos + 1, 0), s)
+    assert not np.allclose(_random(q_pos, 0, seed=1), s)
+    assert not np.allclose(s[0], s[1]) and not np.allclose(s[0], s[2])  # rows at other positions
+    # the draw depends on the row's last position only: row 1 (last 42) padded or as a 3-token block
+    np.testing.assert_array_equal(_random(np.array([[40, 41, 42]], np.int32), 0)[0], s[1])
+    # and on the layer as the engine's layer scan gives it (a traced int32)
+    traced = jax.jit(lambda layer: vdjax.get_policy("random")(
+        None, None, P.AttnInfo(None, jnp.asarray(q_pos), None, layer=layer),
+        jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), (3, K, C)), slots=N))(jnp.int32(1))
+    np.testing.assert_array_equal(np.asarray(traced), _random(q_pos, 1))
