@@ -288,6 +288,28 @@ def test_criticaladakv_keep_equals_reference(n, alpha, ratio):
 
 # ---- the engine on a tiny random model ------------------------------------------------------------------
 LAYERS, HEADS, KV = 3, 8, 4
+def test_standardize_compares_heads_on_one_scale():
+    """adakv(standardize=True): each head's scores z-scored (over its valid candidates) before the heads
+    compete. In one shot (block_size >= T) layer 0 keeps AdaKV's selection over the z-scores; a head scaled
+    up no longer takes the pool (the unstandardised choice differs)."""
+    cfg = tiny_config(num_layers=1, vocab_size=256, num_heads=HEADS, num_kv_heads=KV)
+    params = random_params(cfg, seed=3)
+    ids = np.random.RandomState(9).permutation(256)[:150].astype(np.int32).tolist()
+    n = 7
+    cache, _ = vdjax.prefill(params, ids, "adakv:valuediff_norm", budget=n, block_size=256, standardize=True)
+    plain, _ = vdjax.prefill(params, ids, "adakv:valuediff_norm", budget=n, block_size=256)
+    _, v = layer0_kv(params, np.asarray(ids))
+    score = np.linalg.norm(v, axis=-1).astype(np.float64)  # [K, T]
+    z = (score - score.mean(1, keepdims=True)) / np.sqrt(score.var(1, keepdims=True) + 1e-12)
+    pos = np.broadcast_to(np.arange(len(ids), dtype=np.int32), z.shape)[None]
+    want = ref_adakv_keep(z[None].astype(np.float32), pos, n, 0.2)[0]
+    got = vdjax.kept_positions(cache)[0][0]
+    assert [h.tolist() for h in got] == [np.flatnonzero(w).tolist() for w in want]
+    assert [h.tolist() for h in got] != [h.tolist() for h in vdjax.kept_positions(plain)[0][0]]
+    with pytest.raises(ValueError, match="standardize"):
+        vdjax.prefill(params, ids, "adakv:valuediff_norm", budget=n, standardize="yes")
+
+
 LENGTHS = (37, 33, 14, 3)  # ragged; 37 and 33 share one length bucket alone (6 blocks of 8)
 N, BLOCK, NEW = 6, 8, 5
 PYR = {"beta": 2, "window_size": 2}  # T = 37, N = 6: an active pyramid 9, 6, 3
@@ -442,11 +464,12 @@ def test_generation_fields(results):
     gen = results("adakv:valuediff")[1]
     assert gen.policy == "adakv:valuediff" and gen.budget == N
     assert gen.slots == (KV * N,) * LAYERS and gen.layer_budgets == (N,) * LAYERS
-    assert dict(gen.hyper) == {"alpha_safeguard": 0.5}
+    assert dict(gen.hyper) == {"alpha_safeguard": 0.5, "standardize": False}
     gen = results("criticaladakv:keydiff")[1]
     assert gen.slots == (KV * N,) * LAYERS and gen.layer_budgets == (N,) * LAYERS
     # CriticalKV's epsilon is the policy keyword critical_epsilon (a base may have an epsilon of its own)
-    assert dict(gen.hyper) == {"alpha_safeguard": 0.2, "critical_epsilon": 1e-4, "first_stage_ratio": 0.5}
+    assert dict(gen.hyper) == {"alpha_safeguard": 0.2, "critical_epsilon": 1e-4, "first_stage_ratio": 0.5,
+                               "standardize": False}
     gen = results("criticalkv:valuediff")[1]
     assert gen.slots == (N,) * LAYERS and gen.layer_budgets == (N,) * LAYERS
     assert dict(gen.hyper) == {"critical_epsilon": 1e-4, "first_stage_ratio": 0.5}

@@ -21,7 +21,7 @@ from vdjax.engine.cache import (
     single_destination,
 )
 from vdjax.engine.policies import BoundPolicy
-from vdjax.engine.scores import AttnInfo
+from vdjax.engine.scores import AttnInfo, standardize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +151,8 @@ def _pool_update(rule: CacheRule, bound: BoundPolicy, pool: LayerCache, k_new, v
     scores, cand_pos, acc, stats, feat_new = _candidates(bound, view, k_new, v_new, probs, q_pos, window,
                                                          layer, weights, rope, slots=n)  # [B, K, P + S]
     hyper = dict(rule.hyper)
+    if hyper.get("standardize"):  # heads compared on one scale: each head's scores z-scored first
+        scores = standardize(scores, cand_pos >= 0)
     if rule.heads == "adakv":
         keep = adakv_keep(scores, cand_pos, n, hyper["alpha_safeguard"])
     else:

@@ -422,14 +422,16 @@ def output_norm(v, weights) -> jax.Array:
     return wo_l1_norm(v, weights["wo"])
 
 
-def adakv(policy: Policy | str, alpha_safeguard: float = 0.2) -> Policy:
+def adakv(policy: Policy | str, alpha_safeguard: float = 0.2, standardize: bool = False) -> Policy:
     """Head-adaptive budgets (AdaKV): at every eviction a layer keeps its best K * N candidates across its K
     KV heads, each head first keeping its own top max(1, floor(alpha_safeguard * N)); the heads share one pool
-    of K * N slots, so the memory is the uniform cache's."""
+    of K * N slots, so the memory is the uniform cache's. Scores of different heads are compared as they are
+    (kvpress); `standardize=True` z-scores each head's first, for a scorer whose scale differs by head."""
     base = _evicting(policy, "adakv")
     _check_heads("adakv", base)
-    return _wrap("adakv", base, {"alpha_safeguard": check_fraction("alpha_safeguard", alpha_safeguard)},
-                 heads="adakv")
+    kw = {"alpha_safeguard": check_fraction("alpha_safeguard", alpha_safeguard),
+          "standardize": _check_bool("standardize", standardize)}
+    return _wrap("adakv", base, kw, heads="adakv")
 
 
 def criticalkv(policy: Policy | str, epsilon: float = 1e-4, first_stage_ratio: float = 0.5) -> Policy:
@@ -442,15 +444,16 @@ def criticalkv(policy: Policy | str, epsilon: float = 1e-4, first_stage_ratio: f
 
 
 def criticaladakv(policy: Policy | str, alpha_safeguard: float = 0.2, epsilon: float = 1e-4,
-                  first_stage_ratio: float = 0.5) -> Policy:
+                  first_stage_ratio: float = 0.5, standardize: bool = False) -> Policy:
     """CriticalAdaKV: head budgets by the AdaKV rule from the base's scores, then CriticalKV's two stages
     inside each head's budget (kvpress's `CriticalAdaKVPress`, each row on its own); K * N pooled slots.
-    `epsilon` is the policy keyword `critical_epsilon`, as for `criticalkv`."""
+    `epsilon` is the policy keyword `critical_epsilon`, as for `criticalkv`; `standardize` as for `adakv`."""
     base = _evicting(policy, "criticaladakv")
     _check_heads("criticaladakv", base)
     kw = {"alpha_safeguard": check_fraction("alpha_safeguard", alpha_safeguard),
           "critical_epsilon": check_fraction("epsilon", epsilon, 0.0, math.inf),
-          "first_stage_ratio": check_fraction("first_stage_ratio", first_stage_ratio)}
+          "first_stage_ratio": check_fraction("first_stage_ratio", first_stage_ratio),
+          "standardize": _check_bool("standardize", standardize)}
     return _wrap("criticaladakv", base, kw, heads="criticaladakv", token_feature=output_norm)
 
 
@@ -473,6 +476,13 @@ def chunkkv(policy: Policy | str, chunk_length: int = 20) -> Policy:
     return _wrap("chunkkv", policy, {"chunk_length": check_int("chunk_length", chunk_length)}, score=_Chunked)
 
 
+def _check_bool(name: str, value) -> bool:
+    """A bool, or a ValueError naming the keyword."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
 def _at_least_one(name: str, value) -> float:
     """A number >= 1, or a ValueError naming the keyword."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 1:
@@ -488,6 +498,7 @@ WRAPPER_KEYWORDS: dict[str, Callable[[str, Any], Any]] = {
     "chunk_length": check_int,
     "beta": _at_least_one,
     "window_size": check_int,
+    "standardize": _check_bool,
 }
 
 WRAPPERS: dict[str, Callable[..., Policy]] = {"adakv": adakv, "chunkkv": chunkkv, "criticalkv": criticalkv,
