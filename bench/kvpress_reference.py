@@ -7,20 +7,29 @@
 
 Runs under the kvpress interpreter (.venv-kvpress: kvpress needs transformers < 5.3). Loads the HF folder once
 in fp32 with sdpa attention (AdaKV's masking refuses eager), then for each press (comma-separated vdjax names:
-keydiff, keynorm, expected_attention, cur, random, adakv:<base>, criticalkv:<base>, criticaladakv:<base>,
-pyramidkv) prefills the ids (a JSON list) once under it and records, per layer and KV head, the sorted prompt
-positions it keeps: a gathering press's (ScorerPress: KeyDiff, Knorm, ExpectedAttention, CUR, Random,
-CriticalKV, PyramidKV) by matching its kept key rows to the full ones exactly, a masking press's (AdaKV,
-CriticalAdaKV) as the complement of `module.masked_key_indices`.
+keydiff, keynorm, expected_attention, cur, random, lagkv, leverage, qfilter, adakv:<base>, criticalkv:<base>,
+criticaladakv:<base>, chunkkv:<base>, pyramidkv) prefills the ids (a JSON list) once under it and records,
+per layer and KV head, the sorted prompt positions it keeps: a gathering press's (ScorerPress: KeyDiff, Knorm,
+ExpectedAttention, CUR, Random, LagKV, LeverageScore, QFilter, CriticalKV, PyramidKV, ChunkKV) by matching
+its kept key rows to the full ones exactly, a masking press's (AdaKV, CriticalAdaKV) as the complement of
+`module.masked_key_indices`.
 compression_ratio is 1 - budget / T (kvpress's n_kept = int(T * (1 - ratio)) must come out as the budget).
 
 `--presses FILE` instead: a JSON object {id: {"policy": vdjax name, "kwargs": {...}}}, the keywords given to
-the base press (e.g. {"use_vnorm": false} for ExpectedAttentionPress; names as vdjax's, which are kvpress's).
+the base press (e.g. {"use_vnorm": false} for ExpectedAttentionPress; names as vdjax's, which are kvpress's);
+optionally per press "ids" (a JSON file of other prompt ids) and "budget" (another budget: ChunkKV keeps whole
+chunks, so it needs a prompt of whole chunks), "arrays" ({base press field: a .npy file}, the numbers a press
+would otherwise draw or download) and "scores": true (record the base press's scores too, [layer][head][T],
+to compare up to ties).
 `random` is RandomPress with its draw replaced by the numbers of `--random-scores` (a .npy [L, K, T]: per
 layer and KV head the score of each prompt position, e.g. vdjax's own), so both sides rank the same numbers.
+`leverage` is LeverageScorePress; with an array "sketch" (.npy [L, K, D, m], standard normal) its
+`torch.randn` sketch draw of layer l is replaced by sketch[l] (kvpress scales it by 1 / sqrt(m) as always).
+`qfilter` is QFilterPress with the filters of its array "filters" (.npy [L, K, D]) instead of the Hub's.
 
-Writes {"T", "budget", "ratio", "presses": {id: {"press": repr, "kept": [layer][head][positions],
-"layer_budgets": [cache length of each layer after a gathering press; None for a masking one]}}}.
+Writes {"T", "budget", "ratio", "presses": {id: {"press": repr, "T", "budget", "kept":
+[layer][head][positions], "layer_budgets": [cache length of each layer after a gathering press; None for a
+masking one], "scores": [layer][head][T] or None}}}.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import dataclasses
 import json
 import time
 from pathlib import Path
+from unittest import mock
 
 import kvpress
 import numpy as np
@@ -56,16 +66,58 @@ class GivenRandomPress(kvpress.RandomPress):
         return s
 
 
+@dataclasses.dataclass
+class GivenSketchLeveragePress(kvpress.LeverageScorePress):
+    """LeverageScorePress whose Gaussian sketch of layer l is sketch[l] ([K, D, m] standard normal draws, e.g.
+    vdjax's) instead of its `torch.randn` draw; the rest (centring, 1 / sqrt(m), Cholesky with jitter 1e-2,
+    z-score) is kvpress's own. Without a sketch, kvpress's draw."""
+
+    sketch: np.ndarray = dataclasses.field(default=None, repr=False)
+
+    def score(self, module, hidden_states, keys, values, attentions, kwargs):
+        """kvpress's score with `torch.randn` answering this layer's given draw."""
+        if self.sketch is None:
+            return super().score(module, hidden_states, keys, values, attentions, kwargs)
+        draw = self.sketch[module.layer_idx]
+
+        def randn(*shape, device=None, dtype=None, **_):
+            phi = torch.from_numpy(np.ascontiguousarray(draw))[None].to(device=device, dtype=dtype)
+            if tuple(phi.shape) != tuple(shape):
+                raise ValueError(f"the given sketch of layer {module.layer_idx} is {tuple(phi.shape)}, "
+                                 f"kvpress draws {tuple(shape)}")
+            return phi
+
+        with mock.patch.object(torch, "randn", randn):
+            return super().score(module, hidden_states, keys, values, attentions, kwargs)
+
+
+@dataclasses.dataclass
+class GivenQFilterPress(kvpress.QFilterPress):
+    """QFilterPress with given filters [L, K, D] (e.g. the ones vdjax scores with) instead of the Hub's."""
+
+    filters: np.ndarray = dataclasses.field(default=None, repr=False)
+    q_filters: torch.Tensor = dataclasses.field(init=False, default=None, repr=False)
+
+    def post_init_from_model(self, model):
+        """The given filters in the model's dtype (no download)."""
+        if self.filters is None:
+            raise SystemExit("press qfilter needs its filters: an array \"filters\" (.npy [L, K, D]) in "
+                             "--presses (this script downloads nothing)")
+        self.q_filters = torch.from_numpy(np.asarray(self.filters)).to(model.dtype)
+
+
 BASES = {"keydiff": kvpress.KeyDiffPress, "keynorm": kvpress.KnormPress,
          "expected_attention": kvpress.ExpectedAttentionPress, "cur": kvpress.CURPress,
-         "random": GivenRandomPress}
+         "random": GivenRandomPress, "lagkv": kvpress.LagKVPress, "leverage": GivenSketchLeveragePress,
+         "qfilter": GivenQFilterPress}
 MASKING = (kvpress.AdaKVPress, kvpress.CriticalAdaKVPress)
 
 
-def make_base(base: str, ratio: float, kwargs: dict, a) -> BasePress:
-    """The base ScorerPress of a vdjax base policy name at `ratio` with `kwargs` (its own field names)."""
+def make_base(base: str, ratio: float, kwargs: dict, a, arrays: dict | None = None) -> BasePress:
+    """The base ScorerPress of a vdjax base policy name at `ratio` with `kwargs` (its own field names) and
+    `arrays` ({field: .npy path}, loaded)."""
     cls = BASES[base]
-    kwargs = dict(kwargs)
+    kwargs = {**kwargs, **{name: np.load(path) for name, path in (arrays or {}).items()}}
     if base == "random":
         if a.random_scores is None:
             raise SystemExit("press random needs --random-scores (the numbers both sides rank)")
@@ -77,14 +129,15 @@ def make_base(base: str, ratio: float, kwargs: dict, a) -> BasePress:
     return cls(compression_ratio=ratio, **kwargs)
 
 
-def make_press(name: str, ratio: float, a, kwargs: dict | None = None) -> BasePress:
+def make_press(name: str, ratio: float, a, kwargs: dict | None = None, arrays: dict | None = None
+               ) -> BasePress:
     """The kvpress press of a vdjax policy name at `ratio`, with the hyper-parameters of `a` (the wrappers')
-    and `kwargs` (the base press's)."""
+    and `kwargs`, `arrays` (the base press's)."""
     if name == "pyramidkv":
         return kvpress.PyramidKVPress(compression_ratio=ratio, window_size=a.window_size,
                                       kernel_size=a.kernel_size, beta=a.beta, **(kwargs or {}))
     wrapper, _, base = name.rpartition(":")
-    press = make_base(base, ratio, kwargs or {}, a)
+    press = make_base(base, ratio, kwargs or {}, a, arrays)
     if wrapper == "adakv":
         return kvpress.AdaKVPress(press, alpha_safeguard=a.alpha_safeguard)
     if wrapper == "criticalkv":
@@ -92,6 +145,8 @@ def make_press(name: str, ratio: float, a, kwargs: dict | None = None) -> BasePr
     if wrapper == "criticaladakv":
         return kvpress.CriticalAdaKVPress(press, alpha_safeguard=a.alpha_safeguard, epsilon=a.epsilon,
                                           first_stage_ratio=a.first_stage_ratio)
+    if wrapper == "chunkkv":
+        return kvpress.ChunkKVPress(press, chunk_length=a.chunk_length)
     if wrapper:
         raise ValueError(f"unknown wrapper {wrapper!r} in {name!r}")
     return press
@@ -118,14 +173,28 @@ class Recorder(BasePress):
     press: BasePress = None
     kept: dict = dataclasses.field(default_factory=dict)
     rows: dict = dataclasses.field(default_factory=dict)  # cache length per layer after a gathering press
+    record_scores: bool = False  # record the (base) press's scores per layer too
+    scores: dict = dataclasses.field(default_factory=dict)
 
     def post_init_from_model(self, model):
         """Passed on to the wrapped press."""
         self.press.post_init_from_model(model)
 
     def compress(self, module, hidden_states, keys, values, attentions, kwargs):
-        """The wrapped press's compression, its kept positions recorded."""
-        k2, v2 = self.press.compress(module, hidden_states, keys, values, attentions, kwargs)
+        """The wrapped press's compression, its kept positions (and scores) recorded."""
+        if self.record_scores:
+            scorer = getattr(self.press, "press", self.press)  # a wrapper's base press
+            own = scorer.score
+
+            def score(*args):
+                s = own(*args)
+                self.scores[module.layer_idx] = s[0].float().numpy().tolist()
+                return s
+
+            with mock.patch.object(scorer, "score", score):
+                k2, v2 = self.press.compress(module, hidden_states, keys, values, attentions, kwargs)
+        else:
+            k2, v2 = self.press.compress(module, hidden_states, keys, values, attentions, kwargs)
         kh, t = keys.shape[1], keys.shape[2]
         if isinstance(self.press, MASKING):
             _, heads, seq = (x.cpu().numpy() for x in module.masked_key_indices)
@@ -136,6 +205,15 @@ class Recorder(BasePress):
             self.rows[module.layer_idx] = k2.shape[2]
             self.kept[module.layer_idx] = match_rows(keys[0].float().numpy(), k2[0].float().numpy())
         return k2, v2
+
+
+def check_budget(t: int, budget: int) -> tuple[int, float]:
+    """(T, compression_ratio 1 - budget / T), refused unless kvpress's n_kept comes out as the budget."""
+    ratio = 1 - budget / t
+    if compute_n_kept(t, ratio) != budget:
+        raise SystemExit(f"no exact compression_ratio: kvpress keeps {compute_n_kept(t, ratio)} of {t}, "
+                         f"not {budget}; choose T and budget with T * (1 - ratio) exact")
+    return t, ratio
 
 
 def main(argv=None):
@@ -154,6 +232,7 @@ def main(argv=None):
     p.add_argument("--alpha-safeguard", type=float, default=0.2, help="AdaKV safeguard fraction")
     p.add_argument("--epsilon", type=float, default=1e-4, help="CriticalKV epsilon")
     p.add_argument("--first-stage-ratio", type=float, default=0.5, help="CriticalKV stage-1 share")
+    p.add_argument("--chunk-length", type=int, default=20, help="ChunkKV chunk length")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--out", required=True, help="output JSON")
     a = p.parse_args(argv)
@@ -163,29 +242,30 @@ def main(argv=None):
     transformers.utils.logging.disable_progress_bar()
 
     ids = json.loads(Path(a.ids).read_text())
-    t = len(ids)
-    ratio = 1 - a.budget / t
-    if compute_n_kept(t, ratio) != a.budget:
-        raise SystemExit(f"no exact compression_ratio: kvpress keeps {compute_n_kept(t, ratio)} of {t}, "
-                         f"not {a.budget}; choose T and budget with T * (1 - ratio) exact")
+    t, ratio = check_budget(len(ids), a.budget)
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32,
                                                  attn_implementation="sdpa").eval()
-    x = torch.tensor([ids], dtype=torch.int64)
     result = {"T": t, "budget": a.budget, "ratio": ratio, "presses": {}}
     if a.presses:
-        given = json.loads(Path(a.presses).read_text())
-        specs = {k: (v["policy"], v.get("kwargs", {})) for k, v in given.items()}
+        specs = json.loads(Path(a.presses).read_text())
     else:
-        specs = {name: (name, {}) for name in a.press.split(",")}
-    for name, (policy, kwargs) in specs.items():
-        rec = Recorder(press=make_press(policy, ratio, a, kwargs))
+        specs = {name: {"policy": name} for name in a.press.split(",")}
+    for name, spec in specs.items():
+        own_ids = json.loads(Path(spec["ids"]).read_text()) if "ids" in spec else ids
+        budget = spec.get("budget", a.budget)
+        own_t, own_ratio = check_budget(len(own_ids), budget)
+        press = make_press(spec["policy"], own_ratio, a, spec.get("kwargs", {}), spec.get("arrays"))
+        rec = Recorder(press=press, record_scores=bool(spec.get("scores")))
+        x = torch.tensor([own_ids], dtype=torch.int64)
         t0 = time.perf_counter()
         with torch.inference_mode(), rec(model):
             model(input_ids=x, past_key_values=DynamicCache(), logits_to_keep=1)
         kept = [rec.kept[i] for i in sorted(rec.kept)]
         rows = [rec.rows[i] for i in sorted(rec.rows)] or None
+        scores = [rec.scores[i] for i in sorted(rec.scores)] or None
         result["presses"][name] = {"press": repr(rec.press), "s": round(time.perf_counter() - t0, 3),
-                                   "kept": kept, "layer_budgets": rows}
+                                   "T": own_t, "budget": budget, "kept": kept, "layer_budgets": rows,
+                                   "scores": scores}
     Path(a.out).write_text(json.dumps(result))
 
 

@@ -1,5 +1,6 @@
 """Every score function equals a plain NumPy reference (here, or in tests/test_scorers.py for those that read
-the queries' statistics, the layer or positions' windows); eviction operators keep exactly the right sets."""
+the queries' statistics, the layer, RoPE, filters or positions' windows and partitions); eviction operators
+keep exactly the right sets."""
 
 import dataclasses
 import importlib
@@ -115,7 +116,7 @@ def _ref_scores(name, k, v, pos, probs, q_pos, acc, budget, **kw):
 # the policies `_ref_scores` has a reference for, and those tests/test_scorers.py has (its REFERENCED)
 REFERENCED = ("valuediff", "valuediff_dir", "valuediff_norm", "keydiff", "keynorm", "manifoldkv", "streaming",
               "tova", "fastcaote", "h2o", "hybrid", "snapkv", "pyramidkv")
-ELSEWHERE = ("expected_attention", "cur", "random")
+ELSEWHERE = ("expected_attention", "cur", "random", "lagkv", "leverage", "qfilter")
 POLICY_NAMES = [n for n in vdjax.POLICIES if n != "dense"]
 
 

@@ -1,6 +1,8 @@
 """The query-agnostic scorers that read more than k, v and the block's attention (expected_attention, cur,
-random) against plain NumPy references written from kvpress 0.5.5's presses (ExpectedAttentionPress,
-CURPress, RandomPress), not from vdjax's code; `cache.QueryStats` (the running query statistics
+random, lagkv, leverage, qfilter) against plain NumPy references written from kvpress 0.5.5's presses
+(ExpectedAttentionPress, CURPress, RandomPress, LagKVPress, LeverageScorePress, QFilterPress) and vdjax's
+docstrings of their block mode, not from vdjax's code; the ChunkKV wrapper's chunk scores likewise;
+`scores.unrotate` against the models' RoPE; `cache.QueryStats` (the running query statistics
 expected_attention reads) against a NumPy mean and covariance, in a unit test and as a tiny model's cache
 carries them over a ragged multi-block prefill.
 
@@ -9,6 +11,7 @@ each registered policy has a reference in one of the two files (`REFERENCED` her
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -25,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers import random_ids, random_params, tiny_config  # noqa: E402
 
 # the registered policies whose references live here (test_policies.py checks every policy has one)
-REFERENCED = ("expected_attention", "cur", "random")
+REFERENCED = ("expected_attention", "cur", "random", "lagkv", "leverage", "qfilter")
 
 B, K, G, S, N, D = 2, 3, 2, 5, 11, 8
 C, NQ = N + S, K * G
@@ -367,3 +370,320 @@ def test_random_scores_are_uniform_and_reproducible():
         None, None, P.AttnInfo(None, jnp.asarray(q_pos), None, layer=layer),
         jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), (3, K, C)), slots=N))(jnp.int32(1))
     np.testing.assert_array_equal(np.asarray(traced), _random(q_pos, 1))
+
+
+# ---- lagkv ----------------------------------------------------------------------------------------------
+def ref_lagkv(k, v, pos, q_pos, *, n_sink=4, lag_size=128, cross_scoring=False):
+    """LagKV in block mode, from its docstring (kvpress's LagKVPress on the candidates still cached): `seen` =
+    the row's last query position + 1; below n_sink + 2 * lag_size seen, sinks 1 and the rest (pos - n_sink)
+    / (seen - n_sink); else positions after the sinks fall in partitions of lag_size, and each complete one
+    whose successor is complete too is scored against the successor's cached members: per channel normalised
+    by their min and max, the std over channels (unbiased), softmax over the partition's cached members, keys
+    and values averaged, then (cross_scoring False) the rank inside the partition / lag_size (ties: the
+    earlier position lower); sinks, the newest complete partition and the incomplete rest 1. A partition
+    whose successor has no cached member left scores 0 (vdjax's rule, nothing to compare against)."""
+    out = np.zeros(pos.shape)
+    for b in range(pos.shape[0]):
+        seen = q_pos[b].max() + 1
+        for h in range(pos.shape[1]):
+            p = pos[b, h]
+            kk, vv = k[b, h].astype(np.float64), v[b, h].astype(np.float64)
+            if seen < n_sink + 2 * lag_size:
+                out[b, h] = np.where(p < n_sink, 1.0, (p - n_sink) / max(seen - n_sink, 1))
+                continue
+            s = np.ones(len(p))
+            part = np.where(p >= n_sink, (p - n_sink) // lag_size, -1)
+            for q in range((seen - n_sink) // lag_size - 1):  # complete partitions with a complete successor
+                members = [j for j in np.flatnonzero((p >= 0) & (part == q))]
+                ref = np.flatnonzero((p >= 0) & (part == q + 1))
+                if not members:
+                    continue
+                if not len(ref):
+                    s[members] = 0.0
+                    continue
+
+                def share(x, members=members, ref=ref):
+                    lo, hi = x[ref].min(0), x[ref].max(0)
+                    std = ((x[members] - lo) / (hi - lo)).std(axis=1, ddof=1)
+                    e = np.exp(std - std.max())
+                    return e / e.sum()
+
+                sc = (share(kk) + share(vv)) / 2
+                if not cross_scoring:
+                    order = sorted(range(len(members)), key=lambda i, sc=sc, members=members: (sc[i],
+                                                                                             p[members[i]]))
+                    sc = np.empty(len(members))
+                    sc[order] = np.arange(len(members)) / lag_size
+                s[members] = sc
+            out[b, h] = s
+    return out
+
+
+def _lag_inputs(seed, n_sink=3, lag=5, seen=(31, 27), drop=0.3):
+    """Two rows whose blocks end at seen - 1 (row 1 earlier): each head's cached positions are 0 .. seen - 1
+    with some evicted (every partition keeps at least 2, or loses all in head 2 of row 0), in random slot
+    order, the other slots empty."""
+    rng = np.random.RandomState(seed)
+    c = max(seen) + 2
+    k = rng.randn(B, K, c, D).astype(np.float32)
+    v = rng.randn(B, K, c, D).astype(np.float32)
+    pos = np.full((B, K, c), -1, np.int32)
+    for b in range(B):
+        for h in range(K):
+            kept = list(range(n_sink))
+            for lo in range(n_sink, seen[b], lag):
+                members = list(range(lo, min(lo + lag, seen[b])))
+                if b == 0 and h == 2 and lo == n_sink + 2 * lag:
+                    continue  # partition 2 evicted whole: partition 1 has nothing to compare against
+                keep = [m for m in members if rng.rand() > drop]
+                kept += keep if len(keep) >= 2 else members[:2]
+            kept = [x for x in kept if x >= n_sink or rng.rand() > drop]  # a sink evicted here and there
+            pos[b, h, rng.permutation(c)[:len(kept)]] = kept
+    q_pos = np.full((B, S), -1, np.int32)
+    for b in range(B):
+        q_pos[b, :3] = np.arange(seen[b] - 3, seen[b])
+    return k, v, pos, q_pos
+
+
+@pytest.mark.parametrize("cross_scoring", [False, True])
+def test_lagkv_matches_numpy(cross_scoring):
+    """Partitions of absolute positions with evicted holes (one successor evicted whole), rows at different
+    lengths (row 0: 5 complete partitions, 4 scored against their successor; row 1: 4 and 3)."""
+    k, v, pos, q_pos = _lag_inputs(0)
+    kw = dict(n_sink=3, lag_size=5, cross_scoring=cross_scoring)
+    attn = P.AttnInfo(None, jnp.asarray(q_pos), None)
+    got = np.asarray(vdjax.get_policy("lagkv")(k, v, attn, jnp.asarray(pos), slots=N, **kw))
+    ref = ref_lagkv(k, v, pos, q_pos, **kw)
+    valid = pos >= 0
+    np.testing.assert_allclose(got[valid], ref[valid], rtol=2e-5, atol=1e-7)
+    scored = valid & (ref < 1)
+    assert scored.sum() > 60
+    orphaned = (pos[0, 2] >= 8) & (pos[0, 2] < 13)  # row 0, head 2: partition 1, its successor evicted whole
+    assert orphaned.sum() >= 2 and np.all(got[0, 2][orphaned] == 0)
+    if not cross_scoring:  # ranks are exact multiples of 1 / lag_size
+        np.testing.assert_array_equal(got[valid] * 5, np.round(ref[valid] * 5))
+    else:
+        alt = ref_lagkv(k, v, pos, q_pos, n_sink=3, lag_size=5)
+        assert not np.allclose(alt[scored], ref[scored])
+
+
+def test_lagkv_short_prompt_keeps_the_most_recent():
+    """Below n_sink + 2 * lag_size seen tokens: sinks 1, then (pos - n_sink) / (seen - n_sink), and the
+    defaults (4 sinks, lag 128) see every prompt of _inputs as short."""
+    k, v, pos, q_pos = _lag_inputs(1, seen=(12, 12))
+    attn = P.AttnInfo(None, jnp.asarray(q_pos), None)
+    got = np.asarray(vdjax.get_policy("lagkv")(k, v, attn, jnp.asarray(pos), slots=N, n_sink=3, lag_size=5))
+    valid = pos >= 0
+    ref = ref_lagkv(k, v, pos, q_pos, n_sink=3, lag_size=5)
+    np.testing.assert_allclose(got[valid], ref[valid], rtol=1e-6)
+    np.testing.assert_allclose(got[valid & (pos >= 3)], ((pos - 3) / 9)[valid & (pos >= 3)], rtol=1e-6)
+    k, v, pos, q_pos, *_ = _inputs(2)
+    attn = P.AttnInfo(None, jnp.asarray(q_pos), None)
+    got = np.asarray(vdjax.get_policy("lagkv")(k, v, attn, jnp.asarray(pos), slots=N))
+    np.testing.assert_allclose(got[pos >= 0], ref_lagkv(k, v, pos, q_pos)[pos >= 0], rtol=1e-6)
+
+
+# ---- leverage -------------------------------------------------------------------------------------------
+def ref_rope(x, pos, inv_freq, scale=1.0):
+    """x [..., D] rotated at positions pos [...] (HF rotate_half over the first 2 len(inv_freq) dims, cos and
+    sin times `scale`), fp64."""
+    r = 2 * len(inv_freq)
+    ang = pos[..., None].astype(np.float64) * inv_freq.astype(np.float64)
+    cos, sin = np.tile(np.cos(ang), 2) * scale, np.tile(np.sin(ang), 2) * scale
+    xr = x[..., :r].astype(np.float64)
+    half = np.concatenate([-xr[..., r // 2:], xr[..., :r // 2]], axis=-1)
+    return np.concatenate([xr * cos + half * sin, x[..., r:]], axis=-1)
+
+
+def ref_leverage(x, pos, layer, *, sketch_dimension=48, ridge=1e-2, seed=0):
+    """kvpress's LeverageScorePress.score on pre-RoPE keys x [B, K, C, D], head by head over the valid
+    candidates: centred, times the sketch (vdjax's draw for (seed, layer): normal [K, D, m] / sqrt(m)),
+    x_i (X^T X + ridge I)^-1 x_i^T clamped at 0, z-scored over the row (unbiased std floored at 1e-6)."""
+    m = sketch_dimension
+    key = jax.random.fold_in(jax.random.PRNGKey(seed), layer)
+    phi = np.asarray(jax.random.normal(key, (x.shape[1], x.shape[-1], m)), np.float64) / np.sqrt(m)
+    out = np.zeros(pos.shape)
+    for b in range(pos.shape[0]):
+        lev = np.zeros(pos.shape[1:])
+        for h in range(pos.shape[1]):
+            val = pos[b, h] >= 0
+            xc = x[b, h][val].astype(np.float64)
+            proj = (xc - xc.mean(0)) @ phi[h]
+            gram = proj.T @ proj + ridge * np.eye(m)
+            lev[h][val] = np.maximum(np.einsum("cm,cm->c", proj, np.linalg.solve(gram, proj.T).T), 0)
+        val = pos[b] >= 0
+        out[b] = (lev - lev[val].mean()) / max(lev[val].std(ddof=1), 1e-6)
+    return out
+
+
+
+
+@pytest.mark.parametrize("rope, scale", [("full", 1.0), ("full", 1.3), ("partial", 1.0),
+                                         ("partial", 1.3)])
+def test_unrotate_inverts_the_models_rope(rope, scale):
+    """scores.unrotate(models.transformer.apply_rope(x)) == x, full and partial RoPE, with a scale or not; and
+    the NumPy rotation the references use is apply_rope's."""
+    from models import transformer as tf
+    from vdjax.engine.scores import unrotate
+
+    rng = np.random.RandomState(0)
+    x = rng.randn(B, C, K, D).astype(np.float32)  # [B, S, heads, D] as apply_rope takes it
+    p = np.stack([rng.permutation(600)[:C] for _ in range(B)]).astype(np.int32)
+    inv_freq = ROPE[rope]
+    rot = np.asarray(tf.apply_rope(jnp.asarray(x), jnp.asarray(p), jnp.asarray(inv_freq), scale))
+    np.testing.assert_allclose(rot, ref_rope(x, p[..., None], inv_freq, scale), rtol=1e-4, atol=1e-4)
+    attn = P.AttnInfo(None, None, None, inv_freq=jnp.asarray(inv_freq), rope_scale=scale)
+    pos = np.broadcast_to(p[:, None], (B, K, C))
+    back = np.asarray(unrotate(jnp.asarray(rot.transpose(0, 2, 1, 3)), jnp.asarray(pos), attn))
+    np.testing.assert_allclose(back, x.transpose(0, 2, 1, 3), rtol=1e-4, atol=1e-4)
+    assert not np.allclose(rot, x, atol=1e-2)
+
+
+@pytest.mark.parametrize("case", [{}, dict(sketch_dimension=5, ridge=0.1, seed=3, layer=2),
+                                  dict(rope="partial", sketch_dimension=6),
+                                  dict(scale=1.3, sketch_dimension=6),
+                                  dict(rope="partial", scale=1.3, sketch_dimension=6)])
+def test_leverage_matches_numpy(case):
+    """The cached keys (post-RoPE at their positions) unrotated, as kvpress reads the pre-RoPE keys."""
+    case = dict(case)
+    inv_freq, scale, layer = ROPE[case.pop("rope", "full")], case.pop("scale", 1.0), case.pop("layer", 0)
+    _, _, pos, *_ = _inputs(5)
+    rng = np.random.RandomState(5)
+    x = (rng.randn(B, K, C, D) + rng.randn(1, K, 1, D)).astype(np.float32)  # pre-RoPE keys, off-centre
+    k = ref_rope(x, pos, inv_freq, scale).astype(np.float32)
+    attn = P.AttnInfo(None, None, None, layer=layer, inv_freq=jnp.asarray(inv_freq), rope_scale=scale)
+    got = np.asarray(vdjax.get_policy("leverage")(k, None, attn, jnp.asarray(pos), slots=N, **case))
+    ref = ref_leverage(x, pos, layer, **case)
+    valid = pos >= 0
+    np.testing.assert_allclose(got[valid], ref[valid], rtol=1e-3, atol=1e-3)
+    assert np.ptp(ref[valid]) > 1  # z-scores spread
+    # the post-RoPE keys as they are score otherwise; so does another layer's sketch of fewer than D columns
+    # (one of D or more spans the keys' space: nearly the exact leverage whatever its draw)
+    alts = [ref_leverage(k, pos, layer, **case)]
+    if case.get("sketch_dimension", 48) < D:
+        alts.append(ref_leverage(x, pos, layer + 1, **case))
+    for alt in alts:
+        assert not np.allclose(alt[valid], ref[valid], atol=0.05)
+
+
+# ---- qfilter --------------------------------------------------------------------------------------------
+def ref_qfilter(k, filters, layer):
+    """kvpress's QFilterPress.score: -<f, k> with the layer's filter of each KV head, filters [L, K, D]."""
+    return -np.einsum("bkcd,kd->bkc", k.astype(np.float64), np.asarray(filters, np.float64)[layer])
+
+
+def test_qfilter_matches_numpy_and_finds_its_filters(tmp_path):
+    """The score per layer (a traced layer index too), and the filters bound from a checkpoint folder, a JSON
+    path or numbers; without any, the clear error naming `vdjax analyze --qfilters`."""
+    from vdjax.engine.policies import default_policies
+    from vdjax.engine.qfilters import save_qfilters
+
+    k, v, pos, *_ = _inputs(6)
+    filters = np.random.RandomState(6).randn(3, K, D).astype(np.float32)
+    pol = vdjax.get_policy("qfilter")
+    valid = pos >= 0
+    for layer in (0, 2):
+        got = np.asarray(pol(k, v, P.AttnInfo(None, None, None, layer=layer), jnp.asarray(pos), slots=N,
+                             filters=filters.tolist()))
+        np.testing.assert_allclose(got[valid], ref_qfilter(k, filters, layer)[valid], rtol=1e-5, atol=1e-5)
+    traced = jax.jit(lambda layer: pol(k, v, P.AttnInfo(None, None, None, layer=layer), jnp.asarray(pos),
+                                       slots=N, filters=filters.tolist()))(jnp.int32(2))
+    np.testing.assert_allclose(np.asarray(traced)[valid], ref_qfilter(k, filters, 2)[valid], rtol=1e-5,
+                               atol=1e-5)
+
+    cfg = tiny_config(num_layers=3, num_kv_heads=K, num_heads=K * G, head_dim=D)
+    params = random_params(cfg)
+    with pytest.raises(ValueError, match="no Q-filters in its checkpoint folder; run `vdjax analyze "
+                                         "--model M --qfilters` first"):
+        vdjax.bind("qfilter", params, 8)
+    folder = tmp_path / "model"
+    folder.mkdir()
+    sourced = dataclasses.replace(params, source=str(folder))
+    with pytest.raises(ValueError, match=f"no Q-filters in {folder}/vdjax-qfilters/; run `vdjax analyze"):
+        vdjax.bind("qfilter", sourced, 8)
+    assert "qfilter" not in default_policies(sourced)
+    path = save_qfilters(folder, filters, model="tiny")
+    assert path == folder / "vdjax-qfilters" / "qfilters.json" and "qfilter" in default_policies(sourced)
+    want = np.asarray(filters, np.float64)
+    for bound in (vdjax.bind("qfilter", sourced, 8), vdjax.bind("qfilter", params, 8, filters=str(path)),
+                  vdjax.bind("qfilter", params, 8, filters=filters.tolist())):
+        np.testing.assert_array_equal(np.asarray(dict(bound.hyper)["filters"]), want)
+    with pytest.raises(ValueError, match=r"filters must be finite numbers of shape \[layers=3\]\[kv_heads=3\]"
+                                         r"\[head_dim=8\], got shape \(2, 3, 8\)"):
+        vdjax.bind("qfilter", params, 8, filters=filters[:2].tolist())
+
+
+# ---- chunkkv (a budget wrapper: tests/test_policies.py's registry check does not list it) ----------------
+def ref_chunk_scores(scores, pos, length):
+    """ChunkKV's chunk score of every candidate (kvpress's ChunkKVPress: the scores summed over the KV heads,
+    then the mean over the chunk's positions): per chunk of `length` absolute positions, the sum over the
+    heads holding some of its positions of the mean of their scores; +inf when any is protected (+inf)."""
+    out = np.zeros(pos.shape)
+    for b in range(pos.shape[0]):
+        chunk = np.where(pos[b] >= 0, pos[b] // length, -1)
+        for c in set(chunk[chunk >= 0].tolist()):
+            inside = chunk == c
+            if np.isposinf(scores[b][inside]).any():
+                total = np.inf
+            else:
+                total = sum(scores[b, h][inside[h]].astype(np.float64).mean() for h in range(pos.shape[1])
+                            if inside[h].any())
+            out[b][inside] = total
+    return out
+
+
+@pytest.mark.parametrize("length", [4, 20])
+def test_chunkkv_matches_numpy(length):
+    """chunkkv:keydiff+sinks3 (the sinks' chunk protected whole) over candidates whose heads hold different
+    positions; the cache keeps whole chunks, the same in every head holding them, the last one cut to its
+    earliest positions."""
+    from vdjax.engine import cache as vc
+
+    k, v, pos, q_pos, *_ = _inputs(7)
+    pol = vdjax.get_policy("chunkkv:keydiff+sinks3")
+    assert dict(pol.defaults)["chunk_length"] == 20
+    got = np.asarray(pol(k, v, None, jnp.asarray(pos), slots=N, chunk_length=length))
+    base = np.asarray(vdjax.get_policy("keydiff+sinks3")(k, v, None, jnp.asarray(pos), slots=N))
+    valid = pos >= 0
+    ref = ref_chunk_scores(np.where(valid, base, 0), pos, length)
+    np.testing.assert_allclose(got[valid], ref[valid], rtol=2e-5, atol=1e-6)
+    if length == 4:
+        assert np.isposinf(ref[valid & (pos < 4)]).all() and np.isfinite(ref[valid & (pos >= 4)]).all()
+        kd = np.zeros(pos.shape)  # KeyDiff in NumPy: -cos(k, mean of the unit keys), the sinks +inf
+        for b, h in np.ndindex(B, K):
+            kk = k[b, h].astype(np.float64)
+            anchor = (kk / np.linalg.norm(kk, axis=1, keepdims=True))[valid[b, h]].mean(0)
+            kd[b, h] = -(kk @ anchor) / (np.linalg.norm(kk, axis=1) * np.linalg.norm(anchor))
+        kd[valid & (pos < 3)] = np.inf
+        np.testing.assert_allclose(ref_chunk_scores(kd, pos, 4)[valid], ref[valid], rtol=1e-5, atol=1e-6)
+    # full rows, all heads holding the same positions: every head keeps the same whole chunks
+    same = np.broadcast_to(np.concatenate([np.arange(C - S), q_pos[0]])[None, None], (B, K, C)).copy()
+    got = np.asarray(pol(k, v, None, jnp.asarray(same), slots=N, chunk_length=length))
+    keep = np.asarray(vc.keep_mask(jnp.asarray(got), jnp.asarray(same), 8))
+    for b in range(B):
+        sets = [set(same[b, h][keep[b, h]].tolist()) for h in range(K)]
+        assert all(s == sets[0] for s in sets) and len(sets[0]) == 8
+        chunks = sorted({p // length for p in sets[0]})
+        ranked = sorted(chunks, key=lambda c: -got[b, 0][same[b, 0] // length == c][0])
+        cut = ranked[-1]  # the lowest-scored kept chunk: the one cut, to its earliest positions
+        for c in ranked[:-1]:
+            assert {p for p in same[b, 0].tolist() if p // length == c} <= sets[0]
+        part = sorted(p for p in sets[0] if p // length == cut)
+        members = sorted(p for p in same[b, 0].tolist() if p // length == cut)
+        assert part == members[:len(part)]
+
+
+def test_lagkv_one_member_successor_is_finite():
+    """After evictions a successor partition can hold one cached member (no range per channel): the partition
+    before it still gets finite scores (the channel normalised by 1), not NaN (which would evict it first)."""
+    rng = np.random.RandomState(0)
+    pos = np.array([[[0, 1, 2, 3, 4, 5, 6, 7, 9, 11, 12, 13]]], np.int32)
+    k = rng.randn(1, 1, pos.shape[-1], 4).astype(np.float32)
+    v = rng.randn(1, 1, pos.shape[-1], 4).astype(np.float32)
+    probs = np.zeros((1, 1, 1, 1, pos.shape[-1]), np.float32)
+    attn = P.AttnInfo(jnp.asarray(probs), jnp.asarray([[13]], jnp.int32), jnp.zeros(pos.shape, jnp.float32))
+    for cross in (True, False):
+        s = np.asarray(vdjax.get_policy("lagkv")(k, v, attn, jnp.asarray(pos), slots=8, n_sink=2, lag_size=3,
+                                                 cross_scoring=cross))
+        assert np.isfinite(s).all(), (cross, s)
+        assert len(set(s[0, 0, 2:5].tolist())) > 1  # partition 0 (positions 2-4) ranked, not all tied

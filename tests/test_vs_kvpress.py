@@ -3,10 +3,12 @@
 bench/vs_kvpress.py says plainly how to create the kvpress environment when it is missing, and a tiny
 KeyDiff run (54 s on 2 cores with other jobs holding about one of them) agrees at layer 0, where BlockPress's
 simulated blocks equal vdjax's true ones. The adaptive budgets (adakv:, criticalkv:, criticaladakv:,
-pyramidkv) and the query-agnostic scorers expected_attention, cur and random keep, in full-prefill mode (one
-block of the whole prompt), the positions kvpress's presses keep, layer by layer and KV head by KV head
-(bench/kvpress_reference.py records kvpress's side; one model load for all presses). RandomPress ranks
-vdjax's draw there (`random_draws`): the comparison checks which numbers the engine draws and how it cuts."""
+pyramidkv, chunkkv:) and the query-agnostic scorers expected_attention, cur, random, lagkv, leverage and
+qfilter keep, in full-prefill mode (one block of the whole prompt), the positions kvpress's presses keep,
+layer by layer and KV head by KV head (bench/kvpress_reference.py records kvpress's side; one model load for
+all presses). RandomPress ranks vdjax's draw there (`random_draws`), LeverageScorePress projects on vdjax's
+sketch (`leverage_sketches`) and QFilterPress scores with the filters vdjax is given (`qfilter_filters`):
+the comparison checks which numbers the engine draws and how it scores and cuts."""
 
 import json
 import subprocess
@@ -67,21 +69,46 @@ PRESSES = {"keydiff": ("keydiff", {}), "adakv:keydiff": ("adakv:keydiff", {}),
            "criticaladakv:expected_attention[use_vnorm=False]": ("criticaladakv:expected_attention",
                                                                  {"use_vnorm": False}),
            "cur": ("cur", {}),  # CURPress(): kv_product, windows of 16, 4 sinks
-           "random": ("random", {})}  # RandomPress ranking vdjax's draw (`random_draws`)
+           "random": ("random", {}),  # RandomPress ranking vdjax's draw (`random_draws`)
+           # LagKVPress(): 4 sinks, partitions of 128, ranks (at N, below)
+           "lagkv": ("lagkv", {}), "lagkv[N=128]": ("lagkv", {}),
+           "leverage": ("leverage", {}),  # LeverageScorePress(): a sketch of 48 (vdjax's draw), ridge 1e-2
+           "qfilter": ("qfilter", {}),  # QFilterPress with `qfilter_filters` (vdjax: filters=)
+           "chunkkv:keydiff": ("chunkkv:keydiff", {})}  # ChunkKVPress(KeyDiffPress), chunks of 20
 HEAD_ADAPTIVE = ("adakv:", "criticaladakv:")
+# LagKVPress's scores are 1.0 for the 4 sinks and the newest 252 positions (the newest complete partition
+# and the incomplete rest of T = 512: 260 .. 511) and rank / 128 in the two partitions scored (4 .. 259), each
+# rank once per partition: at N = 4 + 252 + 2 * 32 = 320 no tie straddles the cut, and the positions agree
+# up to none. At N = 128 the cut falls inside the 256 ties of 1.0: vdjax keeps the earliest (the sinks and
+# 260 .. 383, its tie rule), kvpress whichever torch's topk returns (it drops the sinks): 360 of 11,520 kept
+# positions differ, all of them ties (`_compare_up_to_ties`).
+# ChunkKVPress keeps max(1, int(n_chunks * (1 - ratio))) whole chunks, n_chunks counting a remainder chunk:
+# T = 520 is 26 chunks of 20, N = 120 six of them (kvpress's n_kept 120 too), so both keep N per head.
+T_CHUNK = 520
+OWN = {"lagkv": {"budget": 320, "scores": True}, "lagkv[N=128]": {"scores": True},
+       "chunkkv:keydiff": {"T": T_CHUNK, "budget": 120}}  # press -> its own T, budget, kvpress's scores
 # Measured on SmolLM2-135M (random ids, seed 0): 0 of 11,520 kept positions differ for every press (the
-# expected_attention ones included), per-head counts and PyramidKV's layer budgets equal. The allowance is for
-# ties and fp32 rounding (torch vs XLA) at the cut on other CPUs: 0.1 % of positions, 11 here; an off-by-one
-# budget or a wrong score moves far more (vdjax's expected_attention without its covariance term: 1,192;
-# use_vnorm off: 705; cur's kv_avg for kv_product: 225; random from another seed: 8,666).
+# expected_attention ones included; lagkv: 0 of 28,800 at N = 320, and at N = 128 none beyond the ties above;
+# leverage, qfilter: 0 of 11,520; chunkkv:keydiff 0 of 10,800), per-head counts and PyramidKV's layer budgets
+# equal. The allowance is for ties and fp32 rounding (torch vs XLA) at the cut on other CPUs: 0.1 % of
+# positions, 11 here; an off-by-one budget or a wrong score moves far more (vdjax's expected_attention without
+# its covariance term: 1,192; use_vnorm off: 705; cur's kv_avg for kv_product: 225; random from another seed:
+# 8,666; lagkv with cross_scoring: 244, lag_size 64: 6,118; leverage from seed 1: 2,044, ridge 1: 308; the
+# filters negated: 11,520; chunkkv's chunks of 10: 2,370, keydiff unchunked: 5,777).
 MAX_DIFFERING = 0.001
+
+
+def _setting(press: str) -> tuple[int, int]:
+    """(T, N) of a press's prefill."""
+    own = OWN.get(press, {})
+    return own.get("T", T), own.get("budget", N)
 
 
 @pytest.fixture(scope="module")
 def prompt_ids(smollm2_dir):
-    """T random but fixed token ids of SmolLM2's vocabulary."""
+    """{t: t random but fixed token ids of SmolLM2's vocabulary} for the prompt lengths of the presses."""
     vocab = json.loads((smollm2_dir / "config.json").read_text())["vocab_size"]
-    return np.random.default_rng(0).integers(0, vocab, T).astype(np.int32)
+    return {t: np.random.default_rng(0).integers(0, vocab, t).astype(np.int32) for t in (T, T_CHUNK)}
 
 
 def random_draws(config: dict, seed: int = 0) -> np.ndarray:
@@ -103,20 +130,52 @@ def random_draws(config: dict, seed: int = 0) -> np.ndarray:
                                     seed=seed))[0, :, N:] for layer in range(config["num_hidden_layers"])])
 
 
+def leverage_sketches(config: dict, seed: int = 0, sketch_dimension: int = 48) -> np.ndarray:
+    """The standard normal draws [L, K, D, m] of vdjax's leverage sketch per layer (`scores.leverage` divides
+    them by sqrt(m), as kvpress does its own)."""
+    import jax
+
+    shape = (config["num_key_value_heads"], config["head_dim"], sketch_dimension)
+    return np.stack([np.asarray(jax.random.normal(jax.random.fold_in(jax.random.PRNGKey(seed), layer), shape))
+                     for layer in range(config["num_hidden_layers"])])
+
+
+def qfilter_filters(config: dict) -> np.ndarray:
+    """Random but fixed Q-filters [L, K, D] (float32) that both sides score with."""
+    shape = (config["num_hidden_layers"], config["num_key_value_heads"], config["head_dim"])
+    return np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+
+
 @pytest.fixture(scope="module")
-def kvpress_kept(tmp_path_factory, smollm2_dir, prompt_ids):
+def config(smollm2_dir):
+    """SmolLM2's HF config.json."""
+    return json.loads((smollm2_dir / "config.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def kvpress_kept(tmp_path_factory, smollm2_dir, prompt_ids, config):
     """kvpress's kept positions for every press (bench/kvpress_reference.py, one subprocess). Started at once,
     read on first use: it runs while the vdjax side compiles."""
     if not KVPRESS_PYTHON.exists():
         yield None  # the tests skip on needs_kvpress first
         return
     d = tmp_path_factory.mktemp("kvpress_reference")
-    (d / "ids.json").write_text(json.dumps(prompt_ids.tolist()))
-    presses = {name: {"policy": policy, "kwargs": kw} for name, (policy, kw) in PRESSES.items()}
+    for t, ids in prompt_ids.items():
+        (d / f"ids{t}.json").write_text(json.dumps(ids.tolist()))
+    np.save(d / "sketch.npy", leverage_sketches(config))
+    np.save(d / "filters.npy", qfilter_filters(config))
+    arrays = {"leverage": {"sketch": str(d / "sketch.npy")}, "qfilter": {"filters": str(d / "filters.npy")}}
+    presses = {}
+    for name, (policy, kw) in PRESSES.items():
+        own = OWN.get(name, {})
+        t, _ = _setting(name)
+        presses[name] = {"policy": policy, "kwargs": kw, **{k: v for k, v in own.items() if k != "T"},
+                         **({"ids": str(d / f"ids{t}.json")} if t != T else {}),
+                         **({"arrays": arrays[policy]} if policy in arrays else {})}
     (d / "presses.json").write_text(json.dumps(presses))
-    np.save(d / "random.npy", random_draws(json.loads((smollm2_dir / "config.json").read_text())))
+    np.save(d / "random.npy", random_draws(config))
     proc = subprocess.Popen([str(KVPRESS_PYTHON), str(REFERENCE), "--model", str(smollm2_dir), "--ids",
-                             str(d / "ids.json"), "--presses", str(d / "presses.json"), "--random-scores",
+                             str(d / f"ids{T}.json"), "--presses", str(d / "presses.json"), "--random-scores",
                              str(d / "random.npy"), "--budget", str(N), "--window-size", str(PYRAMID_WINDOW),
                              "--threads", "1", "--out", str(d / "kept.json")],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -158,6 +217,21 @@ def _compare(vd, ref) -> tuple[int, int, list[str]]:
     return total, differ, counts
 
 
+def _compare_up_to_ties(vd, ref, scores) -> tuple[int, int]:
+    """(positions vdjax keeps that kvpress does not, those of them tied with kvpress's cut): per layer and KV
+    head, a position kvpress's score (scores [layer][head][T]) ranks exactly at the head's cut (its n-th
+    highest score, n what kvpress keeps) may go either way; ties at the cut are why such a pair differs."""
+    differ = tied = 0
+    for vd_heads, ref_heads, score_heads in zip(vd, ref, scores, strict=True):
+        for a, b, s in zip(vd_heads, ref_heads, score_heads, strict=True):
+            s = np.asarray(s)
+            cut = np.sort(s)[::-1][len(b) - 1]
+            only = set(a.tolist()) - set(b)
+            differ += len(only)
+            tied += sum(s[j] == cut for j in only)
+    return differ, tied
+
+
 def _first_difference(vd, ref) -> str:
     """Where the two first disagree, for the failure message."""
     for layer, (vd_heads, ref_heads) in enumerate(zip(vd, ref, strict=True)):
@@ -171,23 +245,30 @@ def _first_difference(vd, ref) -> str:
 
 @needs_kvpress
 @pytest.mark.parametrize("press", PRESSES)
-def test_full_prefill_keeps_what_kvpress_keeps(press, params, prompt_ids, kvpress_kept):
+def test_full_prefill_keeps_what_kvpress_keeps(press, params, prompt_ids, kvpress_kept, config):
     import vdjax
 
     policy, kw = PRESSES[press]
+    t, n = _setting(press)
     kw = {"window_size": PYRAMID_WINDOW, **kw} if policy == "pyramidkv" else kw
+    kw = {"filters": qfilter_filters(config).tolist(), **kw} if policy == "qfilter" else kw
     # one scan step for every layer compiles much faster; PyramidKV's layer budgets need the unrolled layers
     scan = policy != "pyramidkv"
-    cache, _ = vdjax.prefill(params, prompt_ids[None], policy, N, block_size=T, layer_scan=scan, **kw)
+    cache, _ = vdjax.prefill(params, prompt_ids[t][None], policy, n, block_size=t, layer_scan=scan, **kw)
     vd = [layer[0] for layer in vdjax.kept_positions(cache)]  # row 0: [layer][head]
     ref = kvpress_kept()["presses"][press]
     assert kvpress_kept()["T"] == T and kvpress_kept()["budget"] == N
+    assert ref["T"] == t and ref["budget"] == n
 
     total, differ, counts = _compare(vd, ref["kept"])
     kh = params.config.num_kv_heads
-    assert total == params.config.num_layers * kh * N  # the same memory: L * K * N in all
-    assert differ <= MAX_DIFFERING * total, (f"{press}: {differ} of {total} kept positions differ; "
-                                             + _first_difference(vd, ref["kept"]))
+    assert total == params.config.num_layers * kh * n  # the same memory: L * K * N in all
+    tied = 0
+    if ref["scores"] is not None:  # differences where kvpress's scores tie at the cut are no difference
+        differ, tied = _compare_up_to_ties(vd, ref["kept"], ref["scores"])
+    assert differ - tied <= MAX_DIFFERING * total, (f"{press}: {differ} of {total} kept positions differ "
+                                                    f"({tied} tied at kvpress's cut); "
+                                                    + _first_difference(vd, ref["kept"]))
     if policy.startswith(HEAD_ADAPTIVE):
         # kvpress's head budgets: the per-head counts, unequal (else the test would not test the pooling)
         assert not counts, f"{press}: per-head counts differ: {counts[:5]}"
@@ -201,3 +282,17 @@ def test_full_prefill_keeps_what_kvpress_keeps(press, params, prompt_ids, kvpres
         assert len(set(budgets)) > 1 and budgets[0] > N > budgets[-1], budgets  # the pyramid is active
         assert [len(layer[0]) for layer in vd] == budgets
         assert sum(budgets) == params.config.num_layers * N
+    if policy == "lagkv":
+        scores = np.asarray(ref["scores"])  # [L, K, T]
+        ones = np.r_[0:4, 260:T]  # the sinks, the newest complete partition and the rest
+        assert np.all(scores[..., ones] == 1) and np.all(scores[..., 4:260] < 1)
+        if n == N:  # every kept position a tie of 1.0: vdjax keeps the earliest of them
+            assert all(h.tolist() == list(range(4)) + list(range(260, 260 + n - 4)) for layer in vd
+                       for h in layer)
+            assert tied == differ  # nothing differs but the ties' order
+        else:  # the 256 ones kept, the rest by rank (0 differ measured, within MAX_DIFFERING elsewhere)
+            assert all(set(ones) <= set(h.tolist()) for layer in vd for h in layer)
+    if policy.startswith("chunkkv:"):  # six whole chunks of 20, the same in every head
+        for layer in vd:
+            chunks = {p // 20 for p in layer[0].tolist()}
+            assert len(chunks) == n // 20 and all(h.tolist() == layer[0].tolist() for h in layer)

@@ -326,7 +326,7 @@ def _lag_head(x_k, x_v, part, scored, lag: int, cross_scoring: bool):
         big = jnp.where((part >= 0)[:, None], x, jnp.inf)
         lo = jax.ops.segment_min(big, seg, num_segments=c)[nxt]  # [C, D] the next partition's min
         hi = jax.ops.segment_max(jnp.where((part >= 0)[:, None], x, -jnp.inf), seg, num_segments=c)[nxt]
-        z = (x - lo) / (hi - lo)
+        z = (x - lo) / jnp.where(hi > lo, hi - lo, 1.0)  # a one-member successor: no range, x - lo
         d = x.shape[-1]
         std = jnp.sqrt(jnp.sum((z - jnp.mean(z, -1, keepdims=True)) ** 2, -1) / (d - 1))
         std = jnp.where(has_ref, std, -jnp.inf)
@@ -347,8 +347,10 @@ def lagkv(k, v, attn, pos, *, n_sink: int = 4, lag_size: int = 128, cross_scorin
     """LagKV (kvpress LagKVPress): positions after the `n_sink` sinks fall in partitions of `lag_size`; with
     `seen` = the last query's position + 1 (the prompt so far, decoded tokens included), each complete
     partition that has a complete successor is scored against it (`_lag_head`), the last complete partition
-    and the incomplete rest score 1 (kept first, as the sinks); below `n_sink + 2 * lag_size` seen tokens the
-    score is (pos - n_sink) / (seen - n_sink) (the most recent kept), sinks 1."""
+    and the incomplete rest score 1 (kept first, as the sinks); a partition whose successor has no candidate
+    left in the cache scores 0, and a successor channel without range (one member) normalises by 1; below
+    `n_sink + 2 * lag_size` seen tokens the score is (pos - n_sink) / (seen - n_sink) (the most recent kept),
+    sinks 1."""
     seen = (attn.last_pos + 1)[:, None, None]  # [B, 1, 1]
     valid = pos >= 0
     sink = valid & (pos < n_sink)
@@ -373,8 +375,8 @@ def unrotate(k: jax.Array, pos: jax.Array, attn: AttnInfo) -> jax.Array:
     (the inverse rotation divided by the RoPE scale; dims past the rotated ones unchanged), fp32."""
     half = attn.inv_freq.shape[-1]
     f = jnp.maximum(pos, 0).astype(jnp.float32)[..., None] * attn.inv_freq  # [B, K, C, R/2]
-    c, s = jnp.cos(f), jnp.sin(f)
-    k = k.astype(jnp.float32) / attn.rope_scale
+    c, s = jnp.cos(f) / attn.rope_scale, jnp.sin(f) / attn.rope_scale
+    k = k.astype(jnp.float32)
     y1, y2, rest = k[..., :half], k[..., half:2 * half], k[..., 2 * half:]
     return jnp.concatenate([c * y1 + s * y2, c * y2 - s * y1, rest], axis=-1)
 
