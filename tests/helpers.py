@@ -76,3 +76,15 @@ def tiny_tokenizer(chat: bool = True):
         pad_token="<|endoftext|>",
         chat_template=CHATML if chat else None,
     )
+
+
+def policy_kwargs(policy: str, params: Params) -> dict:
+    """The keywords a registered policy needs on a model without saved calibration data: hybrid's mix, and
+    qfilter's filters (fixed random ones of the model's [L][K][D] shape)."""
+    if policy == "hybrid":
+        return {"mix": 0.5}
+    if policy == "qfilter":
+        cfg = params.config
+        shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+        return {"filters": np.random.RandomState(0).randn(*shape).tolist()}
+    return {}

@@ -3,6 +3,7 @@ dense; sliding layers never hold a token outside their window."""
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -15,6 +16,8 @@ from test_parity import hf_logits, rel_err  # noqa: E402
 import vdjax  # noqa: E402
 from vdjax.models import transformer as tf  # noqa: E402
 from vdjax.models.hf_config import from_hf_config  # noqa: E402
+
+from helpers import policy_kwargs  # noqa: E402
 
 V, T = 101, 80  # vocab; prompt length (> every sliding window below)
 W = 16
@@ -141,8 +144,9 @@ def test_full_budget_is_dense_every_policy(evicting_family):
         if policy == "dense":
             continue
         out = vdjax.generate(params, ids, policy, budget=T + NEW, block_size=7, max_new_tokens=NEW,
-                             eos_token_id=[], **({"mix": 0.5} if policy == "hybrid" else {}))
+                             eos_token_id=[], **policy_kwargs(policy, params))
         np.testing.assert_array_equal(out, dense, err_msg=f"{name} {policy}")
+        jax.clear_caches()  # this policy is done: keep the memory maps of compiled programs few (conftest)
 
 
 @pytest.mark.parametrize("policy", ["valuediff", "snapkv", "h2o", "dense"])

@@ -4,6 +4,7 @@
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,6 +19,8 @@ from vdjax.convert import mxfp4  # noqa: E402
 from vdjax.models import moe as M  # noqa: E402
 from vdjax.models import transformer as tf  # noqa: E402
 from vdjax.models.hf_config import from_hf_config  # noqa: E402
+
+from helpers import policy_kwargs  # noqa: E402
 
 V, T, NEW, W = 128, 60, 6, 8
 ORDERS = {"sliding_first": ["sliding_attention", "full_attention"] * 2,
@@ -109,11 +112,12 @@ def test_every_policy_at_full_budget_gives_hf_greedy_tokens(gpt):
     ids = _ids(3)
     want = _hf_greedy(model, ids, NEW)
     for policy in vdjax.POLICIES:
-        kw = {"mix": 0.5} if policy == "hybrid" else {}
+        kw = policy_kwargs(policy, params)
         budget = None if policy == "dense" else T + NEW
         out = vdjax.generate(params, ids, policy, budget=budget, block_size=16, max_new_tokens=NEW,
                              eos_token_id=[], **kw)
         np.testing.assert_array_equal(out[0], want, err_msg=policy)
+        jax.clear_caches()  # this policy is done: keep the memory maps of compiled programs few (conftest)
 
 
 def test_sliding_layers_hold_only_live_tokens(sliding_first):

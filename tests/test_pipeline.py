@@ -14,10 +14,9 @@ from vdjax.engine import api, compiler, evict, forms, inputs, placement, program
 from vdjax.engine.timing import count_compiles
 from vdjax.models import transformer as tf
 
-from helpers import layer0_kv, random_ids, random_params, tiny_config
+from helpers import layer0_kv, policy_kwargs, random_ids, random_params, tiny_config
 
 POLICY_NAMES = [n for n in vdjax.POLICIES if n != "dense"]
-KW = {"hybrid": {"mix": 0.5}}  # keywords a policy needs on a model without saved weights
 T, NEW = 40, 8
 
 
@@ -61,7 +60,7 @@ def test_dense_greedy_equals_step_by_step_forward(model, prompts, dense_tokens):
 @pytest.mark.parametrize("name", POLICY_NAMES)
 def test_full_budget_is_dense(model, prompts, dense_tokens, name, block):
     out = vdjax.generate(model, prompts, policy=name, budget=T + NEW, block_size=block, max_new_tokens=NEW,
-                         **KW.get(name, {}))
+                         **policy_kwargs(name, model))
     np.testing.assert_array_equal(out, dense_tokens)
 
 
@@ -82,12 +81,13 @@ def test_budget_after_every_block_and_step(model, name):
     """Rows of lengths 8, 16, ... show the cache after each block; generation then after each step."""
     budget, block = 12, 8
     rows = [random_ids(40, model.config.vocab_size, 3)[:n] for n in (5, 8, 16, 24, 32, 37)]
-    cache, _ = vdjax.prefill(model, rows, policy=name, budget=budget, block_size=block, **KW.get(name, {}))
+    cache, _ = vdjax.prefill(model, rows, policy=name, budget=budget, block_size=block,
+                             **policy_kwargs(name, model))
     lengths = np.array([len(r) for r in rows])
     _check_slots(np.asarray(cache.pos), lengths, budget)
     for new in (2, 5):
         g = vdjax.run(model, rows, policy=name, budget=budget, block_size=block, max_new_tokens=new,
-                      **KW.get(name, {}))
+                      **policy_kwargs(name, model))
         _check_slots(np.asarray(g.cache.pos), lengths + new - 1, budget)
 
 

@@ -20,6 +20,8 @@ from vdjax.models import deltanet as dn  # noqa: E402
 from vdjax.models import transformer as tf  # noqa: E402
 from vdjax.models.deltanet import LinearState  # noqa: E402
 
+from helpers import policy_kwargs  # noqa: E402
+
 V, T, NEW = 128, 150, 6
 PATTERNS = {
     "interval4_untied": dict(layers=4, interval=4, tied=False),  # linear, linear, linear, full
@@ -112,11 +114,12 @@ def test_every_policy_at_full_budget_gives_hf_greedy_tokens(interval4):
     ids = _ids(3)
     want = _hf_greedy(model, ids, NEW)
     for policy in vdjax.POLICIES:
-        kw = {"mix": 0.5} if policy == "hybrid" else {}
+        kw = policy_kwargs(policy, params)
         budget = None if policy == "dense" else T + NEW
         out = vdjax.generate(params, ids, policy, budget=budget, block_size=48, max_new_tokens=NEW,
                              eos_token_id=[], **kw)
         np.testing.assert_array_equal(out[0], want, err_msg=policy)
+        jax.clear_caches()  # this policy is done: keep the memory maps of compiled programs few (conftest)
 
 
 def _hf_states(model, ids):
@@ -207,7 +210,7 @@ def test_attention_layers_hold_min_n_seen_after_every_block(interval4, policy):
     ids = _ids(10, 40)
     rows = [ids[:n] for n in (5, 8, 16, 24, 40)]
     cache, _ = vdjax.prefill(params, rows, policy, budget=budget, block_size=block,
-                             **({"mix": 0.5} if policy == "hybrid" else {}))
+                             **policy_kwargs(policy, params))
     pos = np.asarray(cache.pos)
     assert pos.shape[0] == len(params.config.attention_layers)
     for layer, b, h in np.ndindex(pos.shape[:3]):
