@@ -153,13 +153,6 @@ class BoundPolicy:
     # sequence, or the policy's layer rule applied to the prompt length (`for_length`); None: uniform
     layer_budgets: tuple[int, ...] | None = None
 
-    @property
-    def mean_budget(self) -> int | None:
-        """The budget per head and layer on average (the budget itself when uniform)."""
-        if self.budget is None or isinstance(self.budget, int):
-            return self.budget
-        return round(sum(self.budget) / len(self.budget))
-
     def for_length(self, cfg, t: int) -> BoundPolicy:
         """Bound with the per-layer budgets of a prompt of t tokens filled in: the policy's layer rule (e.g.
         PyramidKV's) at the mean budget; unchanged for a uniform policy or a budget sequence."""
