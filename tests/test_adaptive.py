@@ -672,7 +672,6 @@ def test_budget_sequence_checked(model, rows):
         vdjax.prefill(model, rows, "pyramidkv:valuediff", budget=[9, 6, 3], block_size=BLOCK, **PYR)
     p = inputs.plan(model, rows, "adakv:valuediff", [9, 6, 3], BLOCK)
     assert p.bound.budget == (9, 6, 3) and p.bound.layer_budgets == (9, 6, 3) and p.slots == 9
-    assert p.bound.mean_budget == 6
 
 
 def test_layer_scan_with_layer_budgets(model, rows, monkeypatch):
