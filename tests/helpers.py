@@ -79,12 +79,14 @@ def tiny_tokenizer(chat: bool = True):
 
 
 def policy_kwargs(policy: str, params: Params) -> dict:
-    """The keywords a registered policy needs on a model without saved calibration data: hybrid's mix, and
-    qfilter's filters (fixed random ones of the model's [L][K][D] shape)."""
+    """The keywords a registered policy needs on a model without saved calibration data: hybrid's mix,
+    qfilter's filters (fixed random ones of the model's [L][K][D] shape) and kvzip's replay prompt ids."""
     if policy == "hybrid":
         return {"mix": 0.5}
     if policy == "qfilter":
         cfg = params.config
         shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
         return {"filters": np.random.RandomState(0).randn(*shape).tolist()}
+    if policy == "kvzip":  # the replay prompts as ids (a random model has no tokenizer to read them from)
+        return {"repeat_ids": (1, 2, 3), "continue_ids": (4, 5), "suffix_ids": (6,)}
     return {}

@@ -13,7 +13,7 @@ export VDJAX_CACHE="${VDJAX_CACHE:-$HOME/.cache/vdjax-leaderboard}"
 BUDGET="${BUDGET:-512}"
 POLICIES="${POLICIES:-expected_attention adakv:expected_attention criticaladakv:expected_attention adakv:valuediff \
 adakv:keydiff criticaladakv:valuediff pyramidkv:snapkv pyramidkv:valuediff qfilter cur lagkv leverage \
-chunkkv:snapkv random}"
+chunkkv:snapkv random compactor kvzip}"
 MODELS="${MODELS:-smollm2-135m gemma3-270m}"
 for MODEL in $MODELS; do
   dir="$OUT/ruler/$MODEL/paper/L2048"

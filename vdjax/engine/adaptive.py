@@ -115,17 +115,30 @@ def chunk_scores(scores: jax.Array, pos: jax.Array, length: int) -> jax.Array:
     over the chunk), +inf for a chunk holding a protected candidate. scores, pos [B, K, C] -> [B, K, C], one
     value for a chunk in every head, so all heads keep the same chunks, whole but for the last one kept
     (its earliest positions, the tie order)."""
+    b, kh, c = pos.shape
     valid = pos >= 0
     protected = valid & (scores == _INF)
     s = jnp.where(valid & ~protected, scores, 0.0).astype(jnp.float32)
-    chunk = jnp.where(valid, pos // length, -1)
-    same = (chunk[:, :, :, None, None] == chunk[:, None, None, :, :]) & valid[:, None, None]  # [B,K,C,K,C]
-    same = same.astype(jnp.float32)
-    count = jnp.sum(same, axis=-1)  # [B, K, C, K] members of each candidate's chunk in each head
-    mean = jnp.einsum("bhikj,bkj->bhik", same, s) / jnp.maximum(count, 1.0)
-    total = jnp.sum(jnp.where(count > 0, mean, 0.0), axis=-1)
-    hit = jnp.einsum("bhikj,bkj->bhi", same, protected.astype(jnp.float32)) > 0
-    return jnp.where(hit, _INF, total)
+    # each row's chunks numbered 0, 1, ... in position order over every head's candidates (sort, not a
+    # [K C, K C] comparison), then per-(head, chunk) sums by segment_sum
+    flat = jnp.where(valid, pos // length, jnp.iinfo(jnp.int32).max).reshape(b, kh * c)
+    order = jnp.argsort(flat, axis=1)
+    ranked = jnp.take_along_axis(flat, order, axis=1)
+    step = jnp.concatenate([jnp.zeros((b, 1), jnp.int32),
+                            (ranked[:, 1:] != ranked[:, :-1]).astype(jnp.int32)], axis=1)
+    rank = jnp.take_along_axis(jnp.cumsum(step, axis=1), jnp.argsort(order, axis=1), axis=1)  # [B, K C]
+    seg = (jnp.arange(kh)[None, :, None] * (kh * c) + rank.reshape(b, kh, c)).reshape(b, kh * c)
+
+    def per_head_chunk(x):  # [B, K, C] -> sums [B, K, K C] over each (head, chunk)
+        return jax.vmap(lambda v, i: jax.ops.segment_sum(v, i, num_segments=kh * kh * c))(
+            x.reshape(b, kh * c), seg).reshape(b, kh, kh * c)
+
+    count = per_head_chunk(valid.astype(jnp.float32))
+    mean = per_head_chunk(s) / jnp.maximum(count, 1.0)
+    total = jnp.sum(jnp.where(count > 0, mean, 0.0), axis=1)  # [B, K C] per chunk: the sum over heads
+    hit = jnp.sum(per_head_chunk(protected.astype(jnp.float32)), axis=1) > 0
+    return jnp.where(jnp.take_along_axis(hit, rank, axis=1), _INF,
+                     jnp.take_along_axis(total, rank, axis=1)).reshape(b, kh, c)
 
 
 def check_fraction(name: str, value, low: float = 0.0, high: float = 1.0) -> float:

@@ -82,19 +82,22 @@ class CacheRule:
         return tuple(k * n for n in self.head_budgets(cfg, slots))
 
     def update(self, bound: BoundPolicy, lc: LayerCache, k_new, v_new, probs, q_pos, window,
-               layer, weights=None, rope=None) -> Pending:
+               layer, weights=None, rope=None, feature=None) -> Pending:
         """One attention layer's cache update for a block (k_new, v_new [B, K, S, D], probs [B, K, G, S, C]
         over `lc.view()`'s slots, then the block): an evicting policy scores the C = N + S candidates (`evict`
         plans them together with the other layers of the block; a pool is planned here); dense writes each
         token at slot = its position (planned at once). `weights`: the layer's, for scores that read them;
         `rope`: (the block's pre-RoPE queries [B, S, Nq, D] for a policy that reads them, else None; the
-        layer's inverse RoPE frequencies; the RoPE scale)."""
+        layer's inverse RoPE frequencies; the RoPE scale); `feature`: the block tokens' per-token feature
+        [B, K, S] where the programs computed it (KVzip's replay scores), else the policy's
+        `token_feature`."""
         if not self.evicts:
             return Pending(lc, k_new, v_new, *(None,) * 3, *_dense_plan(lc, q_pos, window))
         if lc.pooled:
-            return _pool_update(self, bound, lc, k_new, v_new, probs, q_pos, window, layer, weights, rope)
+            return _pool_update(self, bound, lc, k_new, v_new, probs, q_pos, window, layer, weights, rope,
+                                feature)
         *scored, stats, feat_new = _candidates(bound, lc, k_new, v_new, probs, q_pos, window, layer, weights,
-                                               rope)
+                                               rope, feature=feature)
         return Pending(lc, k_new, v_new, *scored, stats=stats, feat_new=feat_new)
 
 
@@ -107,7 +110,7 @@ def cache_rule(bound: BoundPolicy) -> CacheRule:
 
 
 def _candidates(bound: BoundPolicy, lc: LayerCache, k_new, v_new, probs, q_pos, window, layer,
-                weights=None, rope=None, slots: int | None = None):
+                weights=None, rope=None, slots: int | None = None, feature=None):
     """Score one layer's N + S candidates (the cache slots, then the block): (scores [B, K, C] fp32, their
     positions [B, K, C] (-1 invalid; dead tokens of a sliding layer dropped), accumulated attention, the
     query statistics after this block (None unless the policy reads queries)).
@@ -129,8 +132,12 @@ def _candidates(bound: BoundPolicy, lc: LayerCache, k_new, v_new, probs, q_pos, 
             stats = lc.stats.merge(QueryStats.of(queries, q_pos >= n_sink))
             extra.update(queries=queries, stats=stats)
     feat_new = None
-    if bound.policy.token_feature is not None:  # computed for the new tokens only; the cache carries the rest
-        feat_new = bound.policy.token_feature(v_new, weights).astype(jnp.float32)  # [B, K, S]
+    if feature is not None:  # computed by the programs (KVzip's replay)
+        feat_new = feature.astype(jnp.float32)
+        extra["feature"] = jnp.concatenate([lc.feat, feat_new], axis=-1)
+    elif bound.policy.token_feature is not None:  # for the new tokens only; the cache carries the rest
+        feat_new = bound.policy.token_feature(v_new, weights, k=k_new, q_pos=q_pos, rope=rope,
+                                              hyper=dict(bound.hyper)).astype(jnp.float32)  # [B, K, S]
         extra["feature"] = jnp.concatenate([lc.feat, feat_new], axis=-1)
     attn = AttnInfo(probs=probs, q_pos=q_pos, acc=acc, layer=layer, weights=weights, **extra)
     cand_k = jnp.concatenate([lc.k, k_new], axis=2)  # [B, K, C, D]
@@ -140,7 +147,7 @@ def _candidates(bound: BoundPolicy, lc: LayerCache, k_new, v_new, probs, q_pos, 
 
 
 def _pool_update(rule: CacheRule, bound: BoundPolicy, pool: LayerCache, k_new, v_new, probs, q_pos, window,
-                 layer, weights, rope) -> Pending:
+                 layer, weights, rope, feature=None) -> Pending:
     """A head-adaptive layer's update, planned at once: the candidates (each head's pool slots, then the
     block's tokens for every head) scored in the per-head view, the layer's K * N survivors chosen across
     heads (`adaptive`), and the surviving new (head, token) pairs written into the freed pool slots."""
@@ -149,7 +156,8 @@ def _pool_update(rule: CacheRule, bound: BoundPolicy, pool: LayerCache, k_new, v
     n = p // kh  # per-head budget
     view = pool.view()
     scores, cand_pos, acc, stats, feat_new = _candidates(bound, view, k_new, v_new, probs, q_pos, window,
-                                                         layer, weights, rope, slots=n)  # [B, K, P + S]
+                                                         layer, weights, rope, slots=n,
+                                                         feature=feature)  # [B, K, P + S]
     hyper = dict(rule.hyper)
     if hyper.get("standardize"):  # heads compared on one scale: each head's scores z-scored first
         scores = standardize(scores, cand_pos >= 0)

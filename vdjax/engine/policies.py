@@ -24,6 +24,16 @@ boundary a score sees the N cache slots plus the block; a decode step is a block
 - `cur`: 16-position windows of absolute positions over the candidates still cached.
 - `leverage`: the candidates' pre-RoPE keys (the cache unrotated), centred over the head's candidates, one
   Gaussian sketch per layer and KV head from `seed`, z-scored over the row.
+- `compactor`: leverage over the unprotected candidates (as `leverage`) plus the tile attention each token
+  received when it entered: non-causal attention inside `chunk_size` tiles of its own block (computed once,
+  carried per slot; a decoded token's tile is itself), times ||v||, pooled and z-scored; the first
+  `sink_size_start` positions and the newest `sink_size_end` tokens protected; blending 1 - N / (tokens so
+  far).
+- `kvzip`: the most attention a token received from its block's replay (`replay`: the repeat prompt and the
+  block again, run beside the block through every layer over the cache, the block and itself), computed once
+  and carried per slot; a decoded token replays after the first prompt. kvpress's `layerwise=True` is
+  `adakv:kvzip` with `alpha_safeguard=0`; its default (one top-k over every layer) needs a cross-layer pool:
+  not offered (each layer's slots are fixed).
 - `qfilter`: filters fitted by `vdjax analyze --qfilters`; `random`: a new draw per layer, row and step.
 
 Budget wrappers (`wrapper:base` names, or `adakv(base)` etc.), composable with every policy and with
@@ -56,17 +66,21 @@ from vdjax.checks import check_int
 from vdjax.engine.adaptive import check_fraction, chunk_scores, critical_scores, pyramid_budgets, wo_l1_norm
 from vdjax.engine.mixes import bind_mix, calibrated, hybrid
 from vdjax.engine.qfilters import bind_qfilters, has_qfilters, qfilter
+from vdjax.engine.replay import bind_kvzip, replay_feature
 from vdjax.engine.scores import (
     _INF,
     AttnInfo,
     _recent,
     bind_snapkv,
+    compactor,
+    compactor_tiles,
     cur,
     expected_attention,
     fastcaote,
     h2o,
     keydiff,
     keynorm,
+    kvzip,
     lagkv,
     leverage,
     manifoldkv,
@@ -105,11 +119,16 @@ class Policy:
     # the cache carries from block to block and step to step (queries at positions < its `n_sink` keyword
     # left out of the statistics)
     queries: bool = False
-    # (v_new [B, K, S, D], the layer's weights) -> [B, K, S] fp32: a per-token feature computed once when a
-    # token enters, carried per slot and given to the score as `AttnInfo.feature` (CriticalKV's ||W_o v||_1)
+    # (v_new [B, K, S, D], the layer's weights, *, k=k_new post-RoPE, q_pos [B, S], rope=(pre-RoPE queries or
+    # None, inv_freq, scale), hyper=dict) -> [B, K, S] fp32: a per-token feature computed once when a token
+    # enters, carried per slot and given to the score as `AttnInfo.feature` (CriticalKV's ||W_o v||_1,
+    # Compactor's tile attention)
     token_feature: Callable[..., jax.Array] | None = None
     # (num_layers, n, t, hyper dict) -> per-layer budgets for a prompt of t tokens (PyramidKV); None: uniform
     layers: Callable[..., tuple[int, ...]] | None = None
+    # the programs run KVzip's replay stream beside every block and step (`replay`) and hand its scores to
+    # the policy as the new tokens' feature (its `token_feature` is then `replay_feature`)
+    replay: bool = False
 
     def calibrated(self, folder) -> bool:
         """Whether the model in `folder` has what this policy needs to run with its defaults."""
@@ -269,6 +288,12 @@ for _p in (
             ("use_covariance", True), ("use_vnorm", True)), queries=True),
     Policy("random", random_scores, (("seed", 0),)),
     Policy("qfilter", qfilter, (("filters", None),), bind=bind_qfilters, calibration=has_qfilters),
+    Policy("compactor", compactor, (("blending", None), ("chunk_size", 256), ("ridge", 1e-2), ("seed", 0),
+                                    ("sink_size_end", 4), ("sink_size_start", 8), ("sketch_dimension", 48)),
+           queries=True, token_feature=compactor_tiles),
+    Policy("kvzip", kvzip, (("chunk_size", 2048), ("continue_ids", None), ("kvzip_plus_normalization", False),
+                            ("n_sink", 4), ("repeat_ids", None), ("suffix_ids", None)),
+           bind=bind_kvzip, token_feature=replay_feature, replay=True),
     Policy("leverage", leverage, (("ridge", 1e-2), ("seed", 0), ("sketch_dimension", 48))),
     Policy("lagkv", lagkv, (("cross_scoring", False), ("lag_size", 128), ("n_sink", 4))),
     Policy("cur", cur, (("leverage_type", "kv_product"), ("local_window_size", 16), ("num_sinks", 4),
@@ -349,12 +374,17 @@ def combine(weights: Mapping[Policy | str, float], name: str | None = None) -> P
                          "(e.g. vdjax.adakv(vdjax.combine(...)))")
     defaults = tuple(sorted({kv for p, _ in parts for kv in p.defaults}))
     features = {p.token_feature for p, _ in parts if p.token_feature is not None}
+    if len(features) > 1 and features != {output_norm}:
+        carriers = sorted(p.name for p, _ in parts if p.token_feature is not None)
+        raise ValueError(f"combine: the parts {carriers} carry different per-token features; a cache carries "
+                         "one")
     return Policy(
         name or "+".join(f"{w:g}*{p.name}" for p, w in parts),
         _Combined(parts),
         defaults,
         accumulates=any(p.accumulates for p, _ in parts),
         queries=any(p.queries for p, _ in parts),  # a part reading queries gets them (and their statistics)
+        replay=any(p.replay for p, _ in parts),
         token_feature=features.pop() if len(features) == 1 else None,  # else each part computes its own
     )
 
@@ -395,6 +425,10 @@ class _Chunked(_Base):
 def _wrap(kind: str, policy: Policy | str, keywords: dict, score=_Base, **fields) -> Policy:
     """A wrapper `kind` around an evicting policy, its keywords added to the base's (refused on a clash)."""
     base = _evicting(policy, kind)
+    feature = fields.get("token_feature")
+    if feature is not None and base.token_feature not in (None, feature):
+        raise ValueError(f"{kind} cannot wrap {base.name!r}: both carry a per-token feature (a cache "
+                         "carries one)")
     clash = sorted(set(keywords) & {name for name, _ in base.defaults})
     if clash:
         raise ValueError(f"{kind} cannot wrap {base.name!r}: both have the keyword(s) {clash} "
@@ -409,7 +443,7 @@ def _check_heads(kind: str, base: Policy) -> None:
                          f"({base.heads})")
 
 
-def output_norm(v, weights) -> jax.Array:
+def output_norm(v, weights, **_) -> jax.Array:
     """CriticalKV's per-token feature: ||W_o v||_1 averaged over the GQA group (v [B, K, S, D] -> [B, K, S]),
     computed once when a token enters the cache."""
     return wo_l1_norm(v, weights["wo"])

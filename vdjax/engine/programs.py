@@ -17,7 +17,9 @@ from vdjax.engine.cache import KVCache, LayerCache
 from vdjax.engine.evict import cache_rule, drop_dead, evict, fill_tokens
 from vdjax.engine.forms import layer_weights, loop_form
 from vdjax.engine.policies import BoundPolicy
+from vdjax.engine.replay import PREV_POSTFIX, main, stream
 from vdjax.engine.sampling import sample, split
+from vdjax.engine.scores import replay_attention, rotate
 from vdjax.engine.sharding import constrain_cache
 from vdjax.models import transformer as tf
 from vdjax.models.deltanet import LinearState
@@ -27,10 +29,18 @@ from vdjax.models.params import Params
 def _layer(cfg, bound: BoundPolicy, kind: int, index, lw: dict, lc, x, q_pos):
     """One layer over a block x [B, S, H]: attention and its candidates' scores, or a Gated DeltaNet step.
     `kind` (static) is a layer with this layer's settings (type, window, RoPE); `index` the layer's own index
-    (a traced scalar inside the layer scan). Returns (x, the layer's new cache, or an eviction
+    (a traced scalar inside the layer scan). x may be (x, x_replay, replay positions): KVzip's replay stream
+    (`replay`) runs through the layer beside the block. Returns (x, the layer's new cache, or an eviction
     `evict.Pending`)."""
+    replaying = isinstance(x, tuple)
+    if replaying:
+        x, xr, r_pos = x
     if not cfg.attends(kind):  # Gated DeltaNet: its state carries the past, nothing to evict
-        return tf.linear_layer_forward(lw, x, q_pos, lc, cfg)
+        x, state = tf.linear_layer_forward(lw, x, q_pos, lc, cfg)
+        if replaying:  # the replay reads the state after the block and leaves it unchanged
+            xr, _ = tf.linear_layer_forward(lw, xr, r_pos, state, cfg)
+            return (x, xr, r_pos), state
+        return x, state
     inv_freq, window = tf.layer_settings(cfg, kind)
     view = lc.view()  # a head-adaptive pool as [B, K, P, ...], each head seeing its own slots
     inv_freq = jnp.asarray(inv_freq)
@@ -43,7 +53,34 @@ def _layer(cfg, bound: BoundPolicy, kind: int, index, lw: dict, lc, x, q_pos):
                                                   window)
         q_pre = None
     rope = (q_pre, inv_freq, cfg.rope_attention_factor)
-    return x, rule.update(bound, lc, k_new, v_new, probs, q_pos, window, index, lw, rope)
+    feature = None
+    if replaying:
+        xr, feature = _replay_layer(cfg, bound, lw, view, k_new, v_new, q_pos, xr, r_pos, inv_freq, window)
+        x = (x, xr, r_pos)
+    return x, rule.update(bound, lc, k_new, v_new, probs, q_pos, window, index, lw, rope, feature=feature)
+
+
+def _replay_layer(cfg, bound: BoundPolicy, lw: dict, view, k_new, v_new, q_pos, xr, r_pos, inv_freq, window):
+    """KVzip's replay xr [B, R, H] through one attention layer over the candidates (the cache view, then the
+    block k_new, v_new [B, K, S, D]) and itself: (its output, the block tokens' scores [B, K, S])."""
+    cand_k = jnp.concatenate([view.k, k_new], axis=2)  # [B, K, C, D]
+    cand_v = jnp.concatenate([view.v, v_new], axis=2)
+    cand_pos = jnp.concatenate([view.pos, jnp.broadcast_to(q_pos[:, None], k_new.shape[:3])], axis=-1)
+    out, k_r, v_r, _, qr_pre = tf.layer_forward(lw, xr, r_pos, cand_k, cand_v, cand_pos, cfg, inv_freq,
+                                                window, with_queries=True)
+    hyper = dict(bound.hyper)
+    q_r = rotate(qr_pre, r_pos, inv_freq, cfg.rope_attention_factor)
+    h_norm = wov = None
+    if hyper.get("kvzip_plus_normalization"):  # KVzip+: / ||h|| per query, x ||W_o v|| per key
+        h = tf.rms_norm(xr, lw["attn_norm"], cfg.rms_norm_eps, cfg.norm_offset)
+        h_norm = jnp.sqrt(jnp.sum(jnp.square(h.astype(jnp.float32)), axis=-1))  # [B, R]
+        kh = k_new.shape[1]
+        wo = lw["wo"].reshape(kh, -1, *lw["wo"].shape[1:]).astype(jnp.float32)  # [K, G, D, H]
+        vals = jnp.concatenate([cand_v, v_r], axis=2).astype(jnp.float32)  # [B, K, C + R, D]
+        wov = jnp.sqrt(jnp.sum(jnp.square(jnp.einsum("bkcd,kgdh->bkgch", vals, wo)), axis=-1))
+    feat = replay_attention(q_r, r_pos, k_r, cand_k, cand_pos, q_pos, n_sink=hyper["n_sink"], window=window,
+                            h_norm=h_norm, wov=wov)
+    return out, feat
 
 
 def _run_layers(cfg, bound: BoundPolicy, lws: tuple, caches: tuple, x, q_pos, scan: bool):
@@ -118,15 +155,26 @@ def prefill_program(params: Params, tokens, lengths, *, bound: BoundPolicy, slot
         return a[:, fill:].reshape(b, nb, block).swapaxes(0, 1)
 
     xs = (by_block(tokens), by_block(q_pos))
+    if bound.policy.replay:  # KVzip: each block's first position and the PREV_POSTFIX tokens before it
+        chunk = dict(bound.hyper)["chunk_size"]
+        if block > chunk:
+            raise ValueError(f"policy {bound.name!r} replays each block as one chunk of at most "
+                             f"chunk_size={chunk} tokens; got block_size={block}: use block_size <= {chunk}")
+        starts = fill + block * jnp.arange(nb)
+        before = jnp.pad(tokens, ((0, 0), (PREV_POSTFIX, 0)))
+        prev = jax.vmap(lambda s0: jax.lax.dynamic_slice_in_dim(before, s0, PREV_POSTFIX, axis=1))(starts)
+        xs = xs + (prev, starts == 0)  # [nb, B, 8], [nb]
     lws = layer_weights(params, scan)  # in loop form, outside the block loop
     caches = _constrain(caches, mesh, scan)
 
     def block_step(carry, xs):
-        tok, qp = xs  # [B, S]
+        tok, qp, *replayed = xs  # [B, S] each (and KVzip's [B, 8] tokens before the block, first-block flag)
 
         def run(carry):
             caches, h_last = carry
-            x, caches = _run_layers(cfg, bound, lws, caches, tf.embed(params, tok), qp, scan)
+            x = stream(params, bound, tok, qp, *replayed)
+            x, caches = _run_layers(cfg, bound, lws, caches, x, qp, scan)
+            x = main(x)
             caches = _constrain(caches, mesh, scan)
             is_last = qp == (lengths - 1)[:, None]  # [B, S]
             h = jnp.sum(jnp.where(is_last[..., None], x, 0), axis=1)
@@ -220,7 +268,8 @@ def extend_program(params: Params, cache: KVCache, tokens, q_pos, *, bound: Boun
     cfg = params.config
     caches = _constrain(cache.layers, mesh, scan)
     x, caches = _run_layers(cfg, bound, layer_weights(params, scan), caches,
-                            tf.embed(params, tokens), q_pos, scan)
+                            stream(params, bound, tokens, q_pos), q_pos, scan)
+    x = main(x)
     caches = _constrain(caches, mesh, scan)
     is_last = q_pos == jnp.max(q_pos, axis=1, keepdims=True)  # [B, S]
     return KVCache(caches), tf.final_logits(params, jnp.sum(jnp.where(is_last[..., None], x, 0), axis=1))
@@ -286,7 +335,9 @@ def decode_program(params, cache, logits, lengths, key, eos, pad, max_new, *, bo
     def body(state):
         i, caches, tok, done, out, key = state
         q_pos = (lengths + i - 1)[:, None]  # [B, 1] the fed token's position
-        x, caches = _run_layers(cfg, bound, lws, caches, tf.embed(params, tok[:, None]), q_pos, scan)
+        x, caches = _run_layers(cfg, bound, lws, caches, stream(params, bound, tok[:, None], q_pos), q_pos,
+                                scan)
+        x = main(x)
         caches = _constrain(caches, mesh, scan)
         key, sub = split(key)
         nxt = sample(no_eos_before_min(tf.final_logits(params, x[:, 0]), i), sub, temperature, top_k, top_p)
@@ -312,8 +363,10 @@ def forced_program(params, cache, logits, lengths, cont, *, bound: BoundPolicy, 
 
     def step(caches, xs):
         j, fed, nxt = xs  # fed [B] at position lengths + j; nxt [B] the token it should predict
-        x, caches = _run_layers(cfg, bound, lws, caches, tf.embed(params, fed[:, None]),
-                                (lengths + j)[:, None], scan)
+        q_pos = (lengths + j)[:, None]
+        x, caches = _run_layers(cfg, bound, lws, caches, stream(params, bound, fed[:, None], q_pos), q_pos,
+                                scan)
+        x = main(x)
         return caches, logprob(tf.final_logits(params, x[:, 0]), nxt)
 
     c = cont.shape[1]

@@ -336,10 +336,14 @@ def _lag_head(x_k, x_v, part, scored, lag: int, cross_scoring: bool):
 
     s = (one(x_k.astype(jnp.float32)) + one(x_v.astype(jnp.float32))) / 2
     if not cross_scoring:  # rank inside the partition (ties: the earlier position ranks lower) / lag
-        same = has_ref[:, None] & has_ref[None, :] & (seg[:, None] == seg[None, :])
         idx = jnp.arange(c)
-        below = (s[None, :] < s[:, None]) | ((s[None, :] == s[:, None]) & (idx[None, :] < idx[:, None]))
-        s = jnp.sum(same & below, axis=1).astype(jnp.float32) / lag
+        key = jnp.where(has_ref, seg, -1)  # a partition's members all have a reference or none has
+        order = jnp.lexsort((idx, s, key))  # by partition, then score, then position
+        k_sorted = key[order]
+        first = jnp.concatenate([jnp.ones((1,), bool), k_sorted[1:] != k_sorted[:-1]])
+        start = jax.lax.cummax(jnp.where(first, idx, 0))  # sorted index of each one's partition start
+        rank = jnp.zeros((c,), jnp.int32).at[order].set(idx - start)
+        s = rank.astype(jnp.float32) / lag
     return jnp.where(has_ref, s, 0.0)
 
 
@@ -404,6 +408,155 @@ def leverage(k, v, attn, pos, *, sketch_dimension: int = 48, ridge: float = 1e-2
     phi = jax.random.normal(key, (kh, d, sketch_dimension)) / math.sqrt(sketch_dimension)
     proj = jnp.einsum("bkcd,kdm->bkcm", xc, phi)
     gram = jnp.einsum("bkcm,bkcn->bkmn", proj, proj) + ridge * jnp.eye(sketch_dimension)
-    sol = jnp.linalg.solve(gram, jnp.swapaxes(proj, -1, -2))  # [B, K, m, C]
-    lev = jnp.maximum(jnp.sum(proj * jnp.swapaxes(sol, -1, -2), axis=-1), 0.0)
+    # x G^-1 x^T = ||L^-1 x||^2 with G = L L^T (as kvpress's Cholesky solve; L^-1 by `tril_inverse`: XLA:CPU's
+    # triangular solve, behind jnp.linalg.solve, costs milliseconds per call even at m = 48)
+    y = jnp.einsum("bkcm,bknm->bkcn", proj, tril_inverse(jnp.linalg.cholesky(gram)))  # [B, K, C, m]
+    lev = jnp.maximum(jnp.sum(y * y, axis=-1), 0.0)
     return _row_zscore(lev, valid)
+
+
+def tril_inverse(lower: jax.Array) -> jax.Array:
+    """Inverse of lower-triangular matrices [..., n, n] by blocks ([[A, 0], [C, D]]^-1 = [[A^-1, 0],
+    [-D^-1 C A^-1, D^-1]]), forward substitution below 7 rows: matmuls only, no triangular-solve op."""
+    n = lower.shape[-1]
+    if n <= 6:
+        rows = []
+        for i in range(n):
+            r = jnp.broadcast_to(jnp.eye(n, dtype=lower.dtype)[i], lower.shape[:-1])
+            for j in range(i):
+                r = r - lower[..., i, j, None] * rows[j]
+            rows.append(r / lower[..., i, i, None])
+        return jnp.stack(rows, axis=-2)
+    h = n // 2
+    ai, di = tril_inverse(lower[..., :h, :h]), tril_inverse(lower[..., h:, h:])
+    low = -jnp.matmul(di, jnp.matmul(lower[..., h:, :h], ai))
+    top = jnp.concatenate([ai, jnp.zeros((*ai.shape[:-1], n - h), lower.dtype)], axis=-1)
+    return jnp.concatenate([top, jnp.concatenate([low, di], axis=-1)], axis=-2)
+
+
+def rotate(q: jax.Array, q_pos: jax.Array, inv_freq: jax.Array, scale: float = 1.0) -> jax.Array:
+    """RoPE applied to pre-RoPE queries q [B, S, Nq, D] at positions q_pos [B, S] (cos and sin times `scale`;
+    dims past the rotated ones unchanged): the inverse of `unrotate`, fp32."""
+    half = inv_freq.shape[-1]
+    f = jnp.maximum(q_pos, 0).astype(jnp.float32)[:, :, None, None] * inv_freq  # [B, S, 1, R/2]
+    c, s = jnp.cos(f) * scale, jnp.sin(f) * scale
+    q = q.astype(jnp.float32)
+    x1, x2, rest = q[..., :half], q[..., half:2 * half], q[..., 2 * half:]
+    return jnp.concatenate([c * x1 - s * x2, c * x2 + s * x1, rest], axis=-1)
+
+
+def tile_attention(q: jax.Array, k: jax.Array, member: jax.Array, chunk: int) -> jax.Array:
+    """Non-causal attention inside tiles (Compactor): the block's members (member [B, S] bool, contiguous
+    positions) cut into `chunk`-token tiles from each row's first member; every member query attends to the
+    member keys of its tile, unscaled logits q.k (kvpress's `non_causal_chunked_attn`), softmax in fp32; each
+    key gets the sum it receives over its tile's queries, GQA-mean. q [B, S, Nq, D] post-RoPE, k [B, K, S, D]
+    -> [B, K, S] fp32 (0 for non-members). Unlike kvpress, a partial last tile is masked exactly (kvpress pads
+    it with zero queries, which then attend to every key, and pads keys with logit -1e-9 instead of -inf)."""
+    b, s, nq, d = q.shape
+    kh = k.shape[1]
+    ce = min(chunk, s)  # a tile never needs more than the block
+    s_pad = -(-s // ce) * ce
+    nc = s_pad // ce
+    first = jnp.argmax(member, axis=1)  # [B] first member's index
+    idx = jnp.arange(s_pad)[None, :] + first[:, None]  # [B, S_pad] shifted so tiles start at the first member
+    inside = idx < s
+    idx = jnp.minimum(idx, s - 1)
+    m = jnp.take_along_axis(member, idx, axis=1) & inside  # [B, S_pad]
+    qg = jnp.take_along_axis(q.astype(jnp.float32), idx[:, :, None, None], axis=1)  # [B, S_pad, Nq, D]
+    kg = jnp.take_along_axis(jnp.swapaxes(k, 1, 2).astype(jnp.float32), idx[:, :, None, None], axis=1)
+    qg = qg.reshape(b, nc, ce, kh, nq // kh, d)
+    kg = kg.reshape(b, nc, ce, kh, d)
+    mt = m.reshape(b, nc, ce)
+    dots = jnp.einsum("bnikgd,bnjkd->bnkgij", qg, kg)  # [B, nc, K, G, ce, ce]
+    dots = jnp.where(mt[:, :, None, None, None, :], dots, -1e30)
+    probs = jax.nn.softmax(dots, axis=-1) * mt[:, :, None, None, :, None]
+    col = jnp.mean(jnp.sum(probs, axis=-2), axis=3)  # [B, nc, K, ce]
+    col = jnp.moveaxis(col, 2, 1).reshape(b, kh, s_pad)  # shifted coordinates
+    back = jnp.clip(jnp.arange(s)[None, :] - first[:, None], 0, s_pad - 1)  # [B, S]
+    out = jnp.take_along_axis(col, jnp.broadcast_to(back[:, None], (b, kh, s)), axis=-1)
+    return jnp.where(member[:, None, :], out, 0.0)
+
+
+def compactor_tiles(v, weights, *, k, q_pos, rope, hyper, **_) -> jax.Array:
+    """Compactor's per-token feature, computed once when a token enters (`Policy.token_feature`): the
+    non-causal tile attention it receives inside its block (`tile_attention`). Members are the block's tokens
+    past the first `sink_size_start` positions; the block's newest `sink_size_end` tokens (protected at this
+    boundary) are left out of the others' tiles, as kvpress leaves the prompt's last tokens out, and get
+    theirs from the same tiling with them in. v [B, K, S, D], k [B, K, S, D] post-RoPE -> [B, K, S] fp32."""
+    queries, inv_freq, scale = rope
+    start, end, chunk = hyper["sink_size_start"], hyper["sink_size_end"], hyper["chunk_size"]
+    q = rotate(queries, q_pos, inv_freq, scale)
+    last = jnp.max(q_pos, axis=1, keepdims=True)  # [B, 1]
+    every = (q_pos >= 0) & (q_pos >= start)
+    core = every & (q_pos <= last - end)
+    a_core = tile_attention(q, k, core, chunk)
+    a_every = tile_attention(q, k, every, chunk)
+    return jnp.where(core[:, None], a_core, a_every)
+
+
+def compactor(k, v, attn, pos, *, slots: int, blending: float | None = None, sink_size_start: int = 8,
+              sink_size_end: int = 4, sketch_dimension: int = 48, ridge: float = 1e-2, seed: int = 0, **_):
+    """Compactor (kvpress CompactorPress): blending * leverage + z-score(avg-pool_3(tile attention * ||v||)),
+    both over the unprotected candidates (the first `sink_size_start` positions and the newest `sink_size_end`
+    tokens are protected); leverage as `leverage` (same sketch for the same seed and layer), the tile
+    attention carried per slot (`compactor_tiles`), pooled over the unprotected candidates sorted by position;
+    blending=None: the compression ratio 1 - N / (tokens seen so far), floored at 0 (kvpress: its
+    compression_ratio, the same in full-prefill mode)."""
+    if attn.feature is None:
+        raise ValueError("compactor reads its tile attention from attn.feature (Policy.token_feature "
+                         "compactor_tiles); combine it only with policies that carry no other feature")
+    valid = pos >= 0
+    last = attn.last_pos[:, None, None]  # [B, 1, 1]
+    protected = valid & ((pos < sink_size_start) | (pos > last - sink_size_end))
+    free = valid & ~protected
+    fpos = jnp.where(free, pos, -1)
+    lev = leverage(k, v, attn, fpos, sketch_dimension=sketch_dimension, ridge=ridge, seed=seed)
+    vnorm = jnp.sqrt(jnp.sum(jnp.square(v.astype(jnp.float32)), axis=-1))
+    pooled = _pool_by_position(attn.feature * vnorm, fpos, 3, "avg")
+    if blending is None:
+        blend = jnp.maximum(1.0 - slots / (last + 1).astype(jnp.float32), 0.0)
+    else:
+        blend = blending
+    return jnp.where(protected, _INF, blend * lev + _row_zscore(pooled, free))
+
+
+def replay_attention(q_r, r_pos, k_r, cand_k, cand_pos, q_pos, *, n_sink: int = 4, window=None,
+                     h_norm=None, wov=None) -> jax.Array:
+    """KVzip's score of a block's tokens: the most attention each receives from the replay's queries (max
+    over the replay and the GQA group), the softmax (logits q.k / sqrt(D)) running over the sinks (positions
+    < n_sink before the block), the block and the replay itself (causal), as kvpress's
+    `_compute_cross_attention`. q_r [B, R, Nq, D] post-RoPE at r_pos [B, R] (-1 = padding), k_r [B, K, R, D];
+    cand_k [B, K, C, D] / cand_pos [B, K, C] the layer's candidates (cache view, then the S block tokens at
+    q_pos [B, S]). KVzip+ (`h_norm` [B, R] the replay's normed hidden states' norms, `wov` [B, K, G, C + R]
+    ||W_o v|| per query head): weights / ||h|| per query, times ||W_o v|| per key. -> [B, K, S] fp32."""
+    b, r, nq, d = q_r.shape
+    kh, c = cand_k.shape[1], cand_k.shape[2]
+    s = q_pos.shape[1]
+    g = nq // kh
+    qg = q_r.astype(jnp.float32).reshape(b, r, kh, g, d)
+    keys = jnp.concatenate([cand_k, k_r], axis=2).astype(jnp.float32)  # [B, K, C + R, D]
+    logits = jnp.einsum("brkgd,bkcd->bkgrc", qg, keys) / math.sqrt(d)  # [B, K, G, R, C + R]
+    first = jnp.min(jnp.where(q_pos >= 0, q_pos, jnp.iinfo(jnp.int32).max), axis=1)  # [B] block's first
+    in_block = jnp.arange(c) >= c - s  # [C]
+    sink = (cand_pos >= 0) & (cand_pos < n_sink) & (cand_pos < first[:, None, None])
+    cand_ok = (in_block & (cand_pos >= 0)) | sink  # [B, K, C]
+    kpos = jnp.concatenate([cand_pos, jnp.broadcast_to(r_pos[:, None], (b, kh, r))], axis=-1)  # [B, K, C+R]
+    qp = r_pos[:, None, :, None]  # [B, 1, R, 1]
+    ok = jnp.concatenate([jnp.broadcast_to(cand_ok[:, :, None], (b, kh, r, c)),
+                          (kpos[:, :, None, c:] >= 0) & (kpos[:, :, None, c:] <= qp)], axis=-1)
+    if window is not None:
+        ok &= (qp - kpos[:, :, None, :]) < window
+    probs = jax.nn.softmax(jnp.where(ok[:, :, None], logits, -1e30), axis=-1)  # [B, K, G, R, C + R]
+    if h_norm is not None:
+        probs = probs / jnp.maximum(h_norm, 1e-30)[:, None, None, :, None] * wov[:, :, :, None, :]
+    live = (r_pos >= 0)[:, None, None, :, None]
+    return jnp.max(jnp.where(live, probs[..., c - s:c], 0.0), axis=(2, 3))  # [B, K, S]
+
+
+def kvzip(k, v, attn, pos, *, n_sink: int = 4, **_):
+    """KVzip (kvpress KVzipPress): each token's replay score (`replay_attention`, computed once when it
+    entered and carried per slot); the first `n_sink` positions kept."""
+    if attn.feature is None:
+        raise ValueError("kvzip reads its replay scores from attn.feature: run it through the engine (the "
+                         "programs replay every block; Policy.replay)")
+    return jnp.where((pos >= 0) & (pos < n_sink), _INF, attn.feature)
