@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from vdjax.engine.adaptive import adakv_keep, criticaladakv_keep
+from vdjax.engine.adaptive import adakv_keep, criticaladakv_keep, wo_l1_norm
 from vdjax.engine.cache import (
     LayerCache,
     QueryStats,
@@ -20,7 +20,7 @@ from vdjax.engine.cache import (
     select_slots,
     single_destination,
 )
-from vdjax.engine.policies import BoundPolicy
+from vdjax.engine.policies import BoundPolicy, output_norm
 from vdjax.engine.scores import AttnInfo, standardize
 
 
@@ -164,7 +164,10 @@ def _pool_update(rule: CacheRule, bound: BoundPolicy, pool: LayerCache, k_new, v
     if rule.heads == "adakv":
         keep = adakv_keep(scores, cand_pos, n, hyper["alpha_safeguard"])
     else:
-        vnorm = jnp.concatenate([view.feat, feat_new], axis=-1)  # ||W_o v||_1, computed once per token
+        if bound.policy.token_feature is output_norm:  # ||W_o v||_1, computed once per token
+            vnorm = jnp.concatenate([view.feat, feat_new], axis=-1)
+        else:  # the base carries a feature of its own: ||W_o v||_1 of every candidate
+            vnorm = wo_l1_norm(jnp.concatenate([view.v, v_new], axis=2), weights["wo"])
         keep = criticaladakv_keep(scores, cand_pos, n, vnorm,
                                   hyper["alpha_safeguard"], hyper["critical_epsilon"],
                                   hyper["first_stage_ratio"])

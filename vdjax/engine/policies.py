@@ -54,6 +54,7 @@ Budget wrappers (`wrapper:base` names, or `adakv(base)` etc.), composable with e
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from collections.abc import Callable, Mapping
@@ -377,7 +378,7 @@ def combine(weights: Mapping[Policy | str, float], name: str | None = None) -> P
     if len(features) > 1 and features != {output_norm}:
         carriers = sorted(p.name for p, _ in parts if p.token_feature is not None)
         raise ValueError(f"combine: the parts {carriers} carry different per-token features; a cache carries "
-                         "one")
+                         "one (for CriticalKV wrap the combination: vdjax.criticalkv(vdjax.combine(...)))")
     return Policy(
         name or "+".join(f"{w:g}*{p.name}" for p, w in parts),
         _Combined(parts),
@@ -403,14 +404,18 @@ class _Base:
 
 @dataclasses.dataclass(frozen=True)
 class _Critical(_Base):
-    """CriticalKV around the base's score (`adaptive.critical_scores`); W_o from `attn.weights`."""
+    """CriticalKV around the base's score (`adaptive.critical_scores`); W_o from `attn.weights`. `carried`:
+    ||W_o v||_1 is the carried per-token feature (False when the base carries its own: recomputed)."""
+
+    carried: bool = True
 
     def __call__(self, k, v, attn, pos, *, slots, **kw):
-        if attn.feature is None and (attn.weights is None or "wo" not in attn.weights):
+        carried = self.carried and attn.feature is not None
+        if not carried and (attn.weights is None or "wo" not in attn.weights):
             raise ValueError("criticalkv needs the layer's output projection: call it with AttnInfo(weights="
                              "{'wo': [Nq, D, H]}) (the engine passes every layer's weights)")
         scores = super().__call__(k, v, attn, pos, slots=slots, **kw)
-        vnorm = wo_l1_norm(v, attn.weights["wo"]) if attn.feature is None else attn.feature
+        vnorm = attn.feature if carried else wo_l1_norm(v, attn.weights["wo"])
         return critical_scores(scores, pos, slots, vnorm, kw["critical_epsilon"], kw["first_stage_ratio"])
 
 
@@ -467,7 +472,10 @@ def criticalkv(policy: Policy | str, epsilon: float = 1e-4, first_stage_ratio: f
     policy keyword `critical_epsilon` (a base such as expected_attention has an `epsilon` of its own)."""
     kw = {"critical_epsilon": check_fraction("epsilon", epsilon, 0.0, math.inf),
           "first_stage_ratio": check_fraction("first_stage_ratio", first_stage_ratio)}
-    return _wrap("criticalkv", policy, kw, score=_Critical, token_feature=output_norm)
+    base = _evicting(policy, "criticalkv")
+    if base.token_feature is not None:  # the base carries its own feature: ||W_o v||_1 recomputed per score
+        return _wrap("criticalkv", base, kw, score=functools.partial(_Critical, carried=False))
+    return _wrap("criticalkv", base, kw, score=_Critical, token_feature=output_norm)
 
 
 def criticaladakv(policy: Policy | str, alpha_safeguard: float = 0.2, epsilon: float = 1e-4,
@@ -481,6 +489,8 @@ def criticaladakv(policy: Policy | str, alpha_safeguard: float = 0.2, epsilon: f
           "critical_epsilon": check_fraction("epsilon", epsilon, 0.0, math.inf),
           "first_stage_ratio": check_fraction("first_stage_ratio", first_stage_ratio),
           "standardize": _check_bool("standardize", standardize)}
+    if base.token_feature is not None:  # the base carries its own feature: ||W_o v||_1 recomputed per block
+        return _wrap("criticaladakv", base, kw, heads="criticaladakv")
     return _wrap("criticaladakv", base, kw, heads="criticaladakv", token_feature=output_norm)
 
 
