@@ -116,7 +116,7 @@ def _ref_scores(name, k, v, pos, probs, q_pos, acc, budget, **kw):
 # the policies `_ref_scores` has a reference for, and those tests/test_scorers.py has (its REFERENCED)
 REFERENCED = ("valuediff", "valuediff_dir", "valuediff_norm", "keydiff", "keynorm", "manifoldkv", "streaming",
               "tova", "fastcaote", "h2o", "hybrid", "snapkv", "pyramidkv")
-ELSEWHERE = ("expected_attention", "cur", "random", "lagkv", "leverage", "qfilter")
+ELSEWHERE = ("expected_attention", "cur", "random", "lagkv", "leverage", "qfilter", "compactor")
 POLICY_NAMES = [n for n in vdjax.POLICIES if n != "dense"]
 
 
@@ -289,20 +289,28 @@ def test_policy_lookup_errors():
 
 
 def test_jit_equals_eager_scores():
-    """Every registered policy, given all an AttnInfo holds (the queries and their statistics too)."""
+    """Every registered policy, given all an AttnInfo holds (the queries and their statistics, a per-token
+    feature (compactor's tile attention) too)."""
     k, v, pos, probs, q_pos, acc = _inputs(seed=6)
     queries = np.random.RandomState(6).randn(B, S, K * G, D).astype(np.float32)
     stats = QueryStats.of(jnp.asarray(queries), jnp.asarray(q_pos >= 0))
     inv_freq = jnp.asarray((1.0 / 10000 ** (np.arange(0, D, 2) / D)).astype(np.float32))
+    feature = jnp.asarray(np.random.RandomState(16).rand(B, K, C).astype(np.float32))
     attn = P.AttnInfo(jnp.asarray(probs), jnp.asarray(q_pos), jnp.asarray(acc),
-                      queries=jnp.asarray(queries), stats=stats, inv_freq=inv_freq)
+                      queries=jnp.asarray(queries), stats=stats, inv_freq=inv_freq, feature=feature)
 
     def jit_scores(pol, kw):
         return jax.jit(lambda a, b, c, d: pol(a, b, c, d, slots=N, **kw))
 
     # the keywords a policy cannot run without (a saved mix or filters in a checkpoint, none here)
     needed = {"hybrid": {"mix": HYBRID_W},
-              "qfilter": {"filters": np.random.RandomState(7).randn(1, K, D).round(3).tolist()}}
+              "qfilter": {"filters": np.random.RandomState(7).randn(1, K, D).round(3).tolist()},
+              # compactor's defaults (8 + 4 protected) leave 3 to 8 free candidates a head, fewer than D + 1:
+              # their leverages all tie at 1 - 1/n but for the ridge, and the z-score blows fp32 rounding up
+              # (jit and eager differ by 6e-5); fewer sinks and a sketch of 3 columns leave it well posed
+              "compactor": {"sink_size_start": 2, "sink_size_end": 1, "sketch_dimension": 3},
+              # the same for leverage's 3 to 12 candidates a head against 48 sketch columns
+              "leverage": {"sketch_dimension": 3}}
     for name in POLICY_NAMES:
         pol = vdjax.get_policy(name)
         kw = needed.get(name, {})

@@ -1,10 +1,11 @@
 """The query-agnostic scorers that read more than k, v and the block's attention (expected_attention, cur,
-random, lagkv, leverage, qfilter) against plain NumPy references written from kvpress 0.5.5's presses
-(ExpectedAttentionPress, CURPress, RandomPress, LagKVPress, LeverageScorePress, QFilterPress) and vdjax's
-docstrings of their block mode, not from vdjax's code; the ChunkKV wrapper's chunk scores likewise;
-`scores.unrotate` against the models' RoPE; `cache.QueryStats` (the running query statistics
-expected_attention reads) against a NumPy mean and covariance, in a unit test and as a tiny model's cache
-carries them over a ragged multi-block prefill.
+random, lagkv, leverage, qfilter, compactor) against plain NumPy references written from kvpress 0.5.5's
+presses (ExpectedAttentionPress, CURPress, RandomPress, LagKVPress, LeverageScorePress, QFilterPress,
+CompactorPress with its NonCausalAttnPress tiles) and vdjax's docstrings of their block mode, not from vdjax's
+code; the ChunkKV wrapper's chunk scores likewise; `scores.unrotate` against the models' RoPE and
+`scores.rotate`; a tiny model's compactor prefill against a NumPy one at layer 0; `cache.QueryStats` (the
+running query statistics expected_attention reads) against a NumPy mean and covariance, in a unit test and as
+a tiny model's cache carries them over a ragged multi-block prefill.
 
 tests/test_policies.py's `test_score_matches_numpy` covers every other registered policy and checks that
 each registered policy has a reference in one of the two files (`REFERENCED` here)."""
@@ -28,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers import random_ids, random_params, tiny_config  # noqa: E402
 
 # the registered policies whose references live here (test_policies.py checks every policy has one)
-REFERENCED = ("expected_attention", "cur", "random", "lagkv", "leverage", "qfilter")
+REFERENCED = ("expected_attention", "cur", "random", "lagkv", "leverage", "qfilter", "compactor")
 
 B, K, G, S, N, D = 2, 3, 2, 5, 11, 8
 C, NQ = N + S, K * G
@@ -687,3 +688,310 @@ def test_lagkv_one_member_successor_is_finite():
                                                  cross_scoring=cross))
         assert np.isfinite(s).all(), (cross, s)
         assert len(set(s[0, 0, 2:5].tolist())) > 1  # partition 0 (positions 2-4) ranked, not all tied
+
+
+# ---- compactor ------------------------------------------------------------------------------------------
+def ref_tile_attention(q, k, member, chunk):
+    """kvpress's NonCausalAttnPress.non_causal_chunked_attn on each row's members (contiguous indices): tiles
+    of `chunk` members from the row's first member, each member query's softmax over its tile's member keys
+    of the unscaled q.k (no 1/sqrt(d)), each key's column sum over its tile's queries, mean over the GQA group
+    (query head qh reads KV head qh // G). q [B, S, Nq, D] post-RoPE, k [B, K, S, D] -> [B, K, S] fp64, 0 for
+    non-members."""
+    rows, s, nq, _ = q.shape
+    kh = k.shape[1]
+    g = nq // kh
+    out = np.zeros((rows, kh, s))
+    for b in range(rows):
+        idx = np.flatnonzero(member[b])
+        assert np.all(np.diff(idx) == 1), "members must be contiguous"
+        for lo in range(0, len(idx), chunk):
+            tile = idx[lo:lo + chunk]
+            for qh in range(nq):
+                logits = q[b, tile, qh].astype(np.float64) @ k[b, qh // g, tile].astype(np.float64).T
+                e = np.exp(logits - logits.max(axis=1, keepdims=True))
+                out[b, qh // g, tile] += (e / e.sum(axis=1, keepdims=True)).sum(axis=0) / g
+    return out
+
+
+@pytest.mark.parametrize("s, chunk, g", [(11, 4, 2), (11, 3, 1), (12, 4, 2), (11, 11, 2), (11, 16, 2),
+                                         (9, 2, 3)])
+def test_tile_attention_matches_numpy(s, chunk, g):
+    """Tiles shorter than the block with a partial last tile, one tile of the whole block (chunk >= S), rows
+    whose members start later (sinks first) or end early (padding last), GQA groups of 1 to 3."""
+    from vdjax.engine.scores import tile_attention
+
+    rng = np.random.RandomState(100 * s + 10 * chunk + g)
+    kh = 2
+    member = np.zeros((5, s), bool)
+    member[0] = True  # the whole block
+    member[1, 3:] = True  # members from index 3 (the first positions are sinks)
+    member[2, :s - 4] = True  # the row's block ends early (q_pos -1 at the end)
+    member[3, 2:s - 3] = True  # both
+    member[4, 5:6] = True  # a single member
+    q = (0.7 * rng.randn(5, s, kh * g, D)).astype(np.float32)
+    k = (0.7 * rng.randn(5, kh, s, D)).astype(np.float32)
+    got = np.asarray(tile_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(member), chunk))
+    ref = ref_tile_attention(q, k, member, chunk)
+    assert got.shape == (5, kh, s) and got.dtype == np.float32
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+    assert np.all(got[:, :, ~member.any(0)] == 0) and np.all(got[2][:, s - 4:] == 0)
+    # a tile's queries hand out one unit each: per KV head the members' sum is their count
+    np.testing.assert_allclose(got.sum(-1), np.broadcast_to(member.sum(1)[:, None], (5, kh)), rtol=1e-5)
+    np.testing.assert_allclose(got[4, :, 5], 1.0, rtol=1e-6)
+    if chunk < s:  # the tiles really cut: one tile of every member scores otherwise
+        assert not np.allclose(ref_tile_attention(q, k, member, s)[:4], ref[:4], atol=1e-3)
+
+
+@pytest.mark.parametrize("rope, scale", [("full", 1.0), ("full", 1.3), ("partial", 1.0), ("partial", 1.3)])
+def test_rotate_is_the_rope_that_unrotate_inverts(rope, scale):
+    """scores.rotate (Compactor's queries) is the NumPy RoPE at the query positions (padding at position 0),
+    and scores.unrotate takes it back."""
+    from vdjax.engine.scores import rotate, unrotate
+
+    rng = np.random.RandomState(1)
+    q = rng.randn(B, S, NQ, D).astype(np.float32)
+    q_pos = np.array([[3, 97, 250, 251, 599], [40, 41, 42, -1, -1]], np.int32)
+    inv_freq = ROPE[rope]
+    got = np.asarray(rotate(jnp.asarray(q), jnp.asarray(q_pos), jnp.asarray(inv_freq), scale))
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, ref_rope(q, np.maximum(q_pos, 0)[..., None], inv_freq, scale), rtol=1e-4,
+                               atol=1e-4)
+    attn = P.AttnInfo(None, None, None, inv_freq=jnp.asarray(inv_freq), rope_scale=scale)
+    pos = np.broadcast_to(q_pos[:, None], (B, NQ, S))
+    back = np.asarray(unrotate(jnp.asarray(got.transpose(0, 2, 1, 3)), jnp.asarray(pos), attn))
+    np.testing.assert_allclose(back, q.transpose(0, 2, 1, 3), rtol=1e-4, atol=1e-4)
+    assert not np.allclose(got, q, atol=1e-2)
+
+
+def ref_compactor_tiles(queries, k, q_pos, inv_freq, scale=1.0, *, sink_size_start=8, sink_size_end=4,
+                        chunk_size=256):
+    """Compactor's per-token feature of a block: its pre-RoPE queries [B, S, Nq, D] rotated at their
+    positions, its keys k [B, K, S, D] (after RoPE); members are the valid tokens at positions >=
+    sink_size_start; the core ones (up to the block's last position - sink_size_end) get the tile attention
+    (`ref_tile_attention`) of the core alone, the newest sink_size_end members the tile attention of every
+    member; 0 elsewhere. -> [B, K, S] fp64."""
+    q = ref_rope(queries, np.maximum(q_pos, 0)[..., None], inv_freq, scale)
+    out = np.zeros(k.shape[:3])
+    for b in range(q_pos.shape[0]):
+        every = (q_pos[b] >= 0) & (q_pos[b] >= sink_size_start)
+        core = every & (q_pos[b] <= q_pos[b].max() - sink_size_end)
+        a_core = ref_tile_attention(q[b:b + 1], k[b:b + 1], core[None], chunk_size)[0]
+        a_every = ref_tile_attention(q[b:b + 1], k[b:b + 1], every[None], chunk_size)[0]
+        out[b] = np.where(core, a_core, np.where(every, a_every, 0.0))
+    return out
+
+
+@pytest.mark.parametrize("case", [dict(sink_size_start=4, sink_size_end=3, chunk_size=4),
+                                  dict(sink_size_start=2, sink_size_end=1, chunk_size=3, rope="partial",
+                                       scale=1.3),
+                                  dict(sink_size_start=8, sink_size_end=4, chunk_size=256)])
+def test_compactor_tiles_match_numpy(case):
+    """The feature of a first block (sinks at its start), a later one, and one ending early (padding)."""
+    from vdjax.engine.scores import compactor_tiles
+
+    case = dict(case)
+    inv_freq, scale = ROPE[case.pop("rope", "full")], case.pop("scale", 1.0)
+    s = 13
+    q_pos = np.stack([np.arange(s), np.arange(30, 30 + s), np.r_[np.arange(30, 39), [-1] * 4]])
+    q_pos = q_pos.astype(np.int32)
+    rng = np.random.RandomState(case["chunk_size"])
+    queries = (0.7 * rng.randn(3, s, NQ, D)).astype(np.float32)
+    x = (0.7 * rng.randn(3, K, s, D)).astype(np.float32)
+    k = ref_rope(x, np.broadcast_to(q_pos[:, None], (3, K, s)), inv_freq, scale).astype(np.float32)
+    v = rng.randn(3, K, s, D).astype(np.float32)
+    assert vdjax.get_policy("compactor").token_feature is compactor_tiles
+    got = np.asarray(compactor_tiles(jnp.asarray(v), None, k=jnp.asarray(k), q_pos=jnp.asarray(q_pos),
+                                     rope=(jnp.asarray(queries), jnp.asarray(inv_freq), scale), hyper=case))
+    ref = ref_compactor_tiles(queries, k, q_pos, inv_freq, scale, **case)
+    assert got.shape == (3, K, s)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+    start, end = case["sink_size_start"], case["sink_size_end"]
+    assert np.all(got[0][:, :start] == 0) and np.all(got[2][:, 9:] == 0)
+    newest = (q_pos > q_pos.max(1, keepdims=True) - end) & (q_pos >= 0)
+    assert np.all(got.transpose(0, 2, 1)[newest] > 0)  # the protected newest get their share too
+    # the core's tiles leave the newest out: with them in, the core scores otherwise
+    core = (q_pos >= start) & ~newest
+    alt = ref_compactor_tiles(queries, k, q_pos, inv_freq, scale, **{**case, "sink_size_end": 0})
+    assert not np.allclose(alt.transpose(0, 2, 1)[core], ref.transpose(0, 2, 1)[core], atol=1e-3)
+
+
+def ref_compactor(k, v, pos, feature, last_pos, inv_freq, slots, scale=1.0, *, blending=None,
+                  sink_size_start=8, sink_size_end=4, sketch_dimension=48, ridge=1e-2, seed=0, layer=0):
+    """kvpress's CompactorPress.score in block mode, from vdjax's docstring: the candidates at positions <
+    sink_size_start or among the row's newest sink_size_end (> last_pos - sink_size_end) protected (+inf for
+    kvpress's max padding); over the other (free) ones, blending * leverage (`ref_leverage` on the pre-RoPE
+    keys, the free candidates only) + the z-score over the row (unbiased std floored at 1e-6) of feature *
+    ||v|| average-pooled over 3 (zero padding counted, torch's avg_pool1d(3, padding=1)) along each head's
+    free candidates sorted by position; blending None: 1 - slots / (last_pos + 1) floored at 0.
+    k [B, K, C, D] post-RoPE, pos [B, K, C] (-1 invalid), feature [B, K, C], last_pos [B]."""
+    valid = pos >= 0
+    last = last_pos[:, None, None]
+    protected = valid & ((pos < sink_size_start) | (pos > last - sink_size_end))
+    free = valid & ~protected
+    x = ref_rope(k, -pos, inv_freq, 1.0 / scale)  # the inverse rotation: the pre-RoPE keys
+    lev = ref_leverage(x, np.where(free, pos, -1), layer, sketch_dimension=sketch_dimension, ridge=ridge,
+                       seed=seed)
+    att = feature.astype(np.float64) * np.linalg.norm(v.astype(np.float64), axis=-1)
+    pooled = np.zeros(pos.shape)
+    for b, h in np.ndindex(pos.shape[:2]):
+        order = sorted(np.flatnonzero(free[b, h]), key=lambda j, b=b, h=h: pos[b, h, j])
+        padded = np.concatenate([[0.0], att[b, h, order], [0.0]])
+        for r, j in enumerate(order):
+            pooled[b, h, j] = padded[r:r + 3].sum() / 3
+    out = np.zeros(pos.shape)
+    for b in range(pos.shape[0]):
+        f = free[b]
+        z = (pooled[b] - pooled[b][f].mean()) / max(pooled[b][f].std(ddof=1), 1e-6)
+        blend = max(1.0 - slots / (last_pos[b] + 1), 0.0) if blending is None else blending
+        out[b] = blend * lev[b] + z
+    return np.where(protected, np.inf, out)
+
+
+def _compactor_inputs(seed, n=30, s=6, past=60, empty=4):
+    """Pre-RoPE keys (off-centre), values and features of n cache slots (positions < past in shuffled slot
+    order, `empty` of them empty) and a block of s tokens at past .. (row 1's ends 3 tokens early)."""
+    rng = np.random.RandomState(seed)
+    c = n + s
+    x = (rng.randn(B, K, c, D) + rng.randn(1, K, 1, D)).astype(np.float32)
+    v = rng.randn(B, K, c, D).astype(np.float32)
+    feature = (rng.rand(B, K, c) + 0.1).astype(np.float32)
+    pos = np.empty((B, K, c), np.int32)
+    for b, h in np.ndindex(B, K):
+        pos[b, h, :n] = rng.permutation(past)[:n]
+        pos[b, h, rng.choice(n, empty, replace=False)] = -1
+    q_pos = np.stack([np.arange(past, past + s), np.r_[np.arange(past, past + s - 3), [-1] * 3]])
+    q_pos = q_pos.astype(np.int32)
+    pos[:, :, n:] = q_pos[:, None]
+    return x, v, feature, pos, q_pos
+
+
+@pytest.mark.parametrize("case", [{}, dict(blending=0.3), dict(sink_size_start=3, sink_size_end=1),
+                                  dict(sink_size_start=20, sink_size_end=9, blending=1.5),
+                                  dict(sketch_dimension=5, ridge=0.1, seed=3, layer=2),
+                                  dict(rope="partial", scale=1.3, sketch_dimension=6),
+                                  dict(slots=80)])
+def test_compactor_matches_numpy(case):
+    """Cache slots in shuffled order with empty ones (holding garbage), a block ending early in row 1; the
+    default blending (the compression ratio so far: 1 - 30 / 66 and 1 - 30 / 63, 0 when slots exceed the
+    tokens seen), a given one, other sink sizes, sketches and RoPE."""
+    case = dict(case)
+    inv_freq, scale = ROPE[case.pop("rope", "full")], case.pop("scale", 1.0)
+    layer, slots = case.pop("layer", 0), case.pop("slots", 30)
+    x, v, feature, pos, q_pos = _compactor_inputs(7)
+    k = ref_rope(x, pos, inv_freq, scale).astype(np.float32)
+    empty = pos < 0
+    k[empty], v[empty], feature[empty] = 30.0, -50.0, 1e3  # garbage in the empty slots
+    attn = P.AttnInfo(None, jnp.asarray(q_pos), None, layer=layer, feature=jnp.asarray(feature),
+                      inv_freq=jnp.asarray(inv_freq), rope_scale=scale)
+    pol = vdjax.get_policy("compactor")
+    got = np.asarray(pol(jnp.asarray(k), jnp.asarray(v), attn, jnp.asarray(pos), slots=slots, **case))
+    ref = ref_compactor(k, v, pos, feature, q_pos.max(1), inv_freq, slots, scale, layer=layer, **case)
+    valid = ~empty
+    start, end = case.get("sink_size_start", 8), case.get("sink_size_end", 4)
+    protected = valid & ((pos < start) | (pos > q_pos.max(1)[:, None, None] - end))
+    np.testing.assert_array_equal(np.isposinf(got[valid]), protected[valid])
+    np.testing.assert_array_equal(np.isposinf(ref[valid]), protected[valid])
+    fin = valid & ~protected
+    assert protected.sum() >= 6 * K and fin.sum() >= 2 * K * 15
+    assert np.isfinite(got[fin]).all()
+    np.testing.assert_allclose(got[fin], ref[fin], rtol=1e-4, atol=1e-4)
+    # the leverage term counts unless the blend is 0 (slots=80 > 66 tokens seen: z-scored attention alone)
+    z_only = ref_compactor(k, v, pos, feature, q_pos.max(1), inv_freq, slots, scale, layer=layer,
+                           **{**case, "blending": 0.0})
+    if slots == 80:
+        np.testing.assert_allclose(ref[fin], z_only[fin], rtol=1e-12)
+        for b in range(B):  # the pooled attention's z-scores over the row's free candidates
+            assert abs(z_only[b][fin[b]].mean()) < 1e-9 and abs(z_only[b][fin[b]].std(ddof=1) - 1) < 1e-9
+    else:
+        assert not np.allclose(ref[fin], z_only[fin], atol=0.05)
+
+
+def test_compactor_needs_its_feature():
+    x, v, feature, pos, q_pos = _compactor_inputs(8)
+    attn = P.AttnInfo(None, jnp.asarray(q_pos), None, inv_freq=jnp.asarray(ROPE["full"]))
+    with pytest.raises(ValueError, match="compactor reads its tile attention from attn.feature"):
+        vdjax.get_policy("compactor")(jnp.asarray(x), jnp.asarray(v), attn, jnp.asarray(pos), slots=30)
+
+
+def _layer0_qkv(params, ids):
+    """Layer 0's pre-RoPE queries [T, Nq, D], keys after RoPE and values [K, T, D] of one prompt (they do not
+    depend on what the cache keeps)."""
+    from models import transformer as tf
+
+    cfg = params.config
+    lw = params.weights["layers"][0]
+    x = tf.embed(params, jnp.asarray(ids)[None])
+    h = tf.rms_norm(x, lw["attn_norm"], cfg.rms_norm_eps, cfg.norm_offset)
+    positions = jnp.arange(len(ids))[None]
+    inv_freq = jnp.asarray(tf.rope_inv_freq(cfg))
+    _, k, v, _, q = tf.project_qkv(lw, h, positions, cfg, inv_freq, with_queries=True)
+    return np.asarray(q[0]), np.asarray(k[0].transpose(1, 0, 2)), np.asarray(v[0].transpose(1, 0, 2))
+
+
+def ref_compactor_prefill(q, k, v, budget, block, inv_freq, scale, chunk_size=256, **hyper):
+    """Layer 0 of one row's block prefill under compactor, in NumPy: each block's tokens get their feature
+    (`ref_compactor_tiles` over the block) as they enter; the kept tokens and the block's are scored
+    (`ref_compactor`, slots = budget) and each head keeps its `budget` best (ties: the earlier position; all
+    of them while they fit).
+    q [T, Nq, D] pre-RoPE, k, v [K, T, D] -> (kept positions per KV head, every token's feature [K, T])."""
+    kh, t = k.shape[:2]
+    tiles = {key: hyper[key] for key in ("sink_size_start", "sink_size_end") if key in hyper}
+    feat = np.zeros((kh, t))
+    kept = [[] for _ in range(kh)]
+    for lo in range(0, t, block):
+        q_pos = np.arange(lo, min(lo + block, t))
+        feat[:, q_pos] = ref_compactor_tiles(q[None, q_pos], k[None][:, :, q_pos], q_pos[None], inv_freq,
+                                             scale, chunk_size=chunk_size, **tiles)[0]
+        cands = [kept[h] + q_pos.tolist() for h in range(kh)]
+        if max(map(len, cands)) <= budget:  # every candidate fits: kept whatever its score
+            kept = cands
+            continue
+        pos = np.full((1, kh, max(map(len, cands))), -1, np.int32)
+        for h in range(kh):
+            pos[0, h, :len(cands[h])] = cands[h]
+        heads, at = np.arange(kh)[:, None], np.maximum(pos[0], 0)
+        scores = ref_compactor(k[heads, at][None], v[heads, at][None], pos, feat[heads, at][None],
+                               q_pos.max()[None], inv_freq, budget, scale, **hyper)[0]
+        for h in range(kh):
+            ranked = sorted(range(len(cands[h])), key=lambda j, h=h: (-scores[h, j], cands[h][j]))
+            kept[h] = sorted(cands[h][j] for j in ranked[:budget])
+    return kept, feat
+
+
+@pytest.mark.parametrize("mode", ["full", "blocks"])
+def test_compactor_engine_keeps_the_numpy_prefills_tokens(mode):
+    """A tiny GQA model's prefill under compactor (tiles of 16, so several of them): one block of the whole
+    prompt (kvpress's full-prefill CompactorPress) and blocks of 8 over a ragged batch. Every layer's cache
+    holds `budget` distinct positions of its row (the sinks and the newest tokens among them); layer 0 (whose
+    keys, values and queries do not depend on the cache) keeps the positions of the NumPy prefill and carries
+    the NumPy feature of each kept token."""
+    from models import transformer as tf
+
+    cfg = tiny_config()
+    params = random_params(cfg, seed=3)
+    lengths, budget = ((40,), 20) if mode == "full" else ((40, 29), 18)
+    block = 64 if mode == "full" else 8
+    ids = [random_ids(n, cfg.vocab_size, seed=n + 1) for n in lengths]
+    hyper = dict(chunk_size=16, sink_size_start=5, sink_size_end=3)
+    cache, logits = vdjax.prefill(params, ids, "compactor", budget, block_size=block, layer_scan=False,
+                                  **hyper)
+    assert np.isfinite(np.asarray(logits)).all()
+    for lc in cache.layers:
+        pos = np.asarray(lc.pos)
+        assert pos.shape == (len(ids), cfg.num_kv_heads, budget)
+        for b, n in enumerate(lengths):
+            for h in range(cfg.num_kv_heads):
+                kept = pos[b, h][pos[b, h] >= 0]
+                assert len(kept) == budget and len(set(kept.tolist())) == budget
+                assert kept.min() >= 0 and kept.max() < n
+                assert set(range(5)) | set(range(n - 3, n)) <= set(kept.tolist())
+    inv_freq, scale = tf.rope_inv_freq(cfg), cfg.rope_attention_factor
+    pos0, feat0 = np.asarray(cache.layers[0].pos), np.asarray(cache.layers[0].feat)
+    for b, row in enumerate(ids):
+        q, k, v = _layer0_qkv(params, row)
+        kept, feat = ref_compactor_prefill(q, k, v, budget, min(block, len(row)), inv_freq, scale, **hyper)
+        for h in range(cfg.num_kv_heads):
+            slots = pos0[b, h] >= 0
+            assert sorted(pos0[b, h][slots].tolist()) == kept[h], (b, h)
+            np.testing.assert_allclose(feat0[b, h][slots], feat[h, pos0[b, h][slots]], rtol=1e-4, atol=1e-5)
+        assert (feat[:, 5:] > 0).all()
