@@ -1,9 +1,10 @@
 """The query-agnostic scorers that read more than k, v and the block's attention (expected_attention, cur,
-random, lagkv, leverage, qfilter, compactor) against plain NumPy references written from kvpress 0.5.5's
-presses (ExpectedAttentionPress, CURPress, RandomPress, LagKVPress, LeverageScorePress, QFilterPress,
-CompactorPress with its NonCausalAttnPress tiles) and vdjax's docstrings of their block mode, not from vdjax's
-code; the ChunkKV wrapper's chunk scores likewise; `scores.unrotate` against the models' RoPE and
-`scores.rotate`; a tiny model's compactor prefill against a NumPy one at layer 0; `cache.QueryStats` (the
+random, lagkv, leverage, qfilter, compactor, kvzip) against plain NumPy references written from kvpress
+0.5.5's presses (ExpectedAttentionPress, CURPress, RandomPress, LagKVPress, LeverageScorePress, QFilterPress,
+CompactorPress with its NonCausalAttnPress tiles, KVzipPress's replay attention) and vdjax's docstrings of
+their block mode, not from vdjax's code; the ChunkKV wrapper's chunk scores likewise; `scores.unrotate`
+against the models' RoPE and `scores.rotate`; KVzip's replay stream and prompt ids (`engine.replay`); a tiny
+model's compactor and kvzip prefills against NumPy ones at layer 0; `cache.QueryStats` (the
 running query statistics expected_attention reads) against a NumPy mean and covariance, in a unit test and as
 a tiny model's cache carries them over a ragged multi-block prefill.
 
@@ -13,6 +14,7 @@ each registered policy has a reference in one of the two files (`REFERENCED` her
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 from pathlib import Path
 
@@ -29,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers import random_ids, random_params, tiny_config  # noqa: E402
 
 # the registered policies whose references live here (test_policies.py checks every policy has one)
-REFERENCED = ("expected_attention", "cur", "random", "lagkv", "leverage", "qfilter", "compactor")
+REFERENCED = ("expected_attention", "cur", "random", "lagkv", "leverage", "qfilter", "compactor",
+              "kvzip")
 
 B, K, G, S, N, D = 2, 3, 2, 5, 11, 8
 C, NQ = N + S, K * G
@@ -913,16 +916,16 @@ def test_compactor_needs_its_feature():
         vdjax.get_policy("compactor")(jnp.asarray(x), jnp.asarray(v), attn, jnp.asarray(pos), slots=30)
 
 
-def _layer0_qkv(params, ids):
+def _layer0_qkv(params, ids, positions=None):
     """Layer 0's pre-RoPE queries [T, Nq, D], keys after RoPE and values [K, T, D] of one prompt (they do not
-    depend on what the cache keeps)."""
+    depend on what the cache keeps), at positions 0 .. T - 1 or the given ones [T] (KVzip's replay)."""
     from models import transformer as tf
 
     cfg = params.config
     lw = params.weights["layers"][0]
     x = tf.embed(params, jnp.asarray(ids)[None])
     h = tf.rms_norm(x, lw["attn_norm"], cfg.rms_norm_eps, cfg.norm_offset)
-    positions = jnp.arange(len(ids))[None]
+    positions = jnp.arange(len(ids))[None] if positions is None else jnp.asarray(positions, jnp.int32)[None]
     inv_freq = jnp.asarray(tf.rope_inv_freq(cfg))
     _, k, v, _, q = tf.project_qkv(lw, h, positions, cfg, inv_freq, with_queries=True)
     return np.asarray(q[0]), np.asarray(k[0].transpose(1, 0, 2)), np.asarray(v[0].transpose(1, 0, 2))
@@ -995,3 +998,373 @@ def test_compactor_engine_keeps_the_numpy_prefills_tokens(mode):
             assert sorted(pos0[b, h][slots].tolist()) == kept[h], (b, h)
             np.testing.assert_allclose(feat0[b, h][slots], feat[h, pos0[b, h][slots]], rtol=1e-4, atol=1e-5)
         assert (feat[:, 5:] > 0).all()
+
+
+# ---- kvzip ----------------------------------------------------------------------------------------------
+KVZIP_IDS = {"repeat_ids": (1, 2, 3), "continue_ids": (4, 5), "suffix_ids": (6,)}  # helpers.policy_kwargs'
+
+
+def ref_replay_attention(q_r, r_pos, k_r, cand_k, cand_pos, q_pos, *, n_sink=4, window=None, h_norm=None,
+                         wov=None):
+    """kvpress's KVzipPress._compute_cross_attention and score_kvzip in block mode, loop by loop in fp64: each
+    valid replay query (r_pos >= 0) of each query head attends, logits q.k / sqrt(D), to the sinks (candidates
+    at 0 <= pos < n_sink before the block's first position), the block's valid tokens (the last S candidates)
+    and the replay's own keys at positions <= its own, all within `window` positions when given; softmax over
+    those keys; KVzip+ (`h_norm` [B, R], `wov` [B, K, G, C + R]): the weights / ||h|| of the query, times
+    ||W_o v|| of the key for that query head. A block token's score is its largest weight over the valid
+    replay queries and the G query heads of its KV head (0 where nothing attends to it).
+    q_r [B, R, Nq, D] post-RoPE, k_r [B, K, R, D], cand_k [B, K, C, D], cand_pos [B, K, C], q_pos [B, S]
+    -> [B, K, S] fp64."""
+    rows, r, nq, d = q_r.shape
+    kh, c = cand_k.shape[1], cand_k.shape[2]
+    s = q_pos.shape[1]
+    g = nq // kh
+    out = np.zeros((rows, kh, s))
+    for b in range(rows):
+        if not (q_pos[b] >= 0).any():
+            continue
+        first = q_pos[b][q_pos[b] >= 0].min()
+        for h in range(kh):
+            p = cand_pos[b, h]
+            cand = [j for j in range(c) if 0 <= p[j] < n_sink and p[j] < first]  # the sinks
+            cand += [j for j in range(c - s, c) if p[j] >= 0]  # the block
+            keys = np.concatenate([cand_k[b, h], k_r[b, h]]).astype(np.float64)  # [C + R, D]
+            kpos = np.concatenate([p, r_pos[b]])
+            for i in range(r):
+                if r_pos[b, i] < 0:
+                    continue
+                cols = cand + [c + j for j in range(r) if 0 <= r_pos[b, j] <= r_pos[b, i]]
+                if window is not None:
+                    cols = [j for j in cols if r_pos[b, i] - kpos[j] < window]
+                cols = np.array(cols)
+                for gg in range(g):
+                    logits = keys[cols] @ q_r[b, i, h * g + gg].astype(np.float64) / np.sqrt(d)
+                    w = np.exp(logits - logits.max())
+                    w /= w.sum()
+                    if h_norm is not None:
+                        w = w / h_norm[b, i] * wov[b, h, gg, cols]
+                    for j, wj in zip(cols, w, strict=True):
+                        if j >= c - s and j < c:
+                            out[b, h, j - (c - s)] = max(out[b, h, j - (c - s)], wj)
+    return out
+
+
+RS, RH = 6, 5  # the replayed block's length and the replay's prompt length (as repeat + suffix)
+
+
+def _replay_inputs(seed, n=9):
+    """Four rows: a later block (positions 30 .. 35) with the 4 sinks among n shuffled cache slots (2 empty);
+    the same block ending 3 tokens early (padding last) with position 2 evicted; a first block (positions
+    0 .. 5, an empty cache); a row without tokens. The replay: RH prompt tokens (row 1's first 2 padding, as
+    `replay_stream` front-pads the shorter prompt) and the block's tokens again, at the positions after the
+    block. Garbage in the empty slots and the padding. -> (q_r, r_pos, k_r, cand_k, cand_pos, q_pos, h_norm,
+    wov)."""
+    rng = np.random.RandomState(seed)
+    b, c, r = 4, n + RS, RH + RS
+    cand_pos = np.full((b, K, c), -1, np.int32)
+    for h in range(K):
+        for row, sinks in ((0, [0, 1, 2, 3]), (1, [0, 1, 3]), (3, [0, 1, 2, 3])):
+            others = rng.choice(np.arange(4, 30), n - len(sinks) - 2, replace=False)
+            cand_pos[row, h, :n] = rng.permutation(np.r_[sinks, others, -1, -1])
+    q_pos = np.array([np.arange(30, 36), np.r_[30:33, [-1] * 3], np.arange(6), [-1] * 6], np.int32)
+    cand_pos[:, :, n:] = q_pos[:, None]
+    valid = np.concatenate([np.ones((b, RH), bool), q_pos >= 0], axis=1)
+    valid[1, :2] = False
+    valid[3] = False
+    r_pos = np.where(valid, q_pos.max(1, keepdims=True) + np.cumsum(valid, axis=1), -1).astype(np.int32)
+    q_r = rng.randn(b, r, NQ, D).astype(np.float32)
+    k_r = rng.randn(b, K, r, D).astype(np.float32)
+    cand_k = rng.randn(b, K, c, D).astype(np.float32)
+    cand_k[cand_pos < 0] = 30.0
+    q_r[~valid] = 30.0
+    k_r.transpose(0, 2, 1, 3)[~valid] = -30.0
+    h_norm = (0.5 + 2.5 * rng.rand(b, r)).astype(np.float32)
+    wov = (0.2 + 2 * rng.rand(b, K, G, c + r)).astype(np.float32)
+    return q_r, r_pos, k_r, cand_k, cand_pos, q_pos, h_norm, wov
+
+
+@pytest.mark.parametrize("case", [{}, dict(n_sink=0), dict(n_sink=2), dict(n_sink=50), dict(window=7),
+                                  dict(plus=True), dict(plus=True, n_sink=2, window=9)])
+def test_replay_attention_matches_numpy(case):
+    """Shuffled cache slots with empty ones, a ragged row, a first block, a row without tokens, GQA G = 2;
+    the sinks (none, some, every cached token below the block), a window, KVzip+."""
+    from vdjax.engine.scores import replay_attention
+
+    case = dict(case)
+    plus = case.pop("plus", False)
+    q_r, r_pos, k_r, cand_k, cand_pos, q_pos, h_norm, wov = _replay_inputs(11)
+    extra = dict(h_norm=h_norm, wov=wov) if plus else {}
+    args = (q_r, r_pos, k_r, cand_k, cand_pos, q_pos)
+    got = np.asarray(replay_attention(*map(jnp.asarray, args), **case,
+                                      **{key: jnp.asarray(a) for key, a in extra.items()}))
+    ref = ref_replay_attention(*args, **case, **extra)
+    assert got.shape == (4, K, RS) and got.dtype == np.float32
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-7)
+    live = np.broadcast_to((q_pos >= 0)[:, None], got.shape)
+    assert np.all(got[~live] == 0) and np.all(ref[live] > 0)  # padding and the row without tokens score 0
+    if not plus:
+        assert ref.max() <= 1
+    plain = ref_replay_attention(*args, **{**case, "n_sink": 0, "window": None})
+    if plus:  # the norms count
+        assert not np.allclose(ref, ref_replay_attention(*args, **case), rtol=1e-3)
+    elif "window" in case:  # the window drops the sinks and the oldest keys of the later replay queries
+        assert not np.allclose(ref[:2], plain[:2], rtol=1e-3)
+    elif case.get("n_sink", 4):  # the sinks only take weight from the block
+        assert np.all(ref[:2][live[:2]] < plain[:2][live[:2]] + 1e-12)
+        assert not np.allclose(ref[:2], plain[:2], rtol=1e-3)
+    if "window" not in case:  # no sink before a first block: its positions 0 .. 3 are the block's
+        np.testing.assert_allclose(ref[2], plain[2], rtol=1e-12)
+
+
+@pytest.mark.parametrize("n_sink", [4, 0, 12])
+def test_kvzip_matches_numpy(n_sink):
+    """kvzip's score is the carried feature (the replay's attention), +inf at the positions below n_sink."""
+    k, v, pos, q_pos, *_ = _inputs(3)
+    feature = np.random.RandomState(3).rand(B, K, C).astype(np.float32)
+    feature[pos < 0] = 1e3  # garbage in the empty slots
+    attn = P.AttnInfo(None, jnp.asarray(q_pos), None, feature=jnp.asarray(feature))
+    got = np.asarray(vdjax.get_policy("kvzip")(jnp.asarray(k), jnp.asarray(v), attn, jnp.asarray(pos),
+                                               slots=N, n_sink=n_sink))
+    sinks = (pos >= 0) & (pos < n_sink)
+    ref = np.where(sinks, np.inf, feature)
+    valid = pos >= 0
+    np.testing.assert_array_equal(got[valid], ref[valid])
+    assert (sinks.sum() > 0) == (n_sink > 0) and np.isposinf(got[valid]).sum() == sinks.sum()
+
+
+def test_kvzip_needs_its_feature():
+    """Called without the replay's scores (outside the engine) the score and its feature marker refuse."""
+    from vdjax.engine.replay import replay_feature
+
+    k, v, pos, q_pos, *_ = _inputs(4)
+    attn = P.AttnInfo(None, jnp.asarray(q_pos), None)
+    pol = vdjax.get_policy("kvzip")
+    with pytest.raises(ValueError, match="kvzip reads its replay scores from attn.feature"):
+        pol(jnp.asarray(k), jnp.asarray(v), attn, jnp.asarray(pos), slots=N)
+    assert pol.replay and pol.token_feature is replay_feature
+    with pytest.raises(ValueError, match="kvzip's per-token scores come from the replay"):
+        replay_feature(jnp.asarray(v), None)
+
+
+def ref_replay_stream(hyper, tok, q_pos, prev=None, first=True):
+    """The replay of each row from engine/replay.py's docstring: the first prompt (repeat + suffix), or the
+    continue prompt + the 8 tokens before the block + the suffix, then the block's valid tokens, at the
+    positions right after the block's last one; the shorter of the two prompts front-padded (position -1) to
+    the longer's length when both may be used (`prev` given); a row without tokens replays nothing (all -1).
+    -> (ids [B, R] (-1 at padding), positions [B, R])."""
+    head = list(hyper["repeat_ids"]) + list(hyper["suffix_ids"])
+    width = len(head)
+    rows_ids, rows_pos = [], []
+    for b in range(tok.shape[0]):
+        if prev is not None:
+            cont = list(hyper["continue_ids"]) + list(prev[b]) + list(hyper["suffix_ids"])
+            width = max(len(head), len(cont))
+        chosen = head if prev is None or first else cont
+        block = [int(t) if p >= 0 else -1 for t, p in zip(tok[b], q_pos[b], strict=True)]
+        ids = [-1] * (width - len(chosen)) + chosen + block
+        if (q_pos[b] < 0).all():
+            ids = [-1] * len(ids)
+        live = np.array(ids) >= 0
+        rows_ids.append(ids)
+        rows_pos.append(np.where(live, q_pos[b].max() + np.cumsum(live), -1))
+    return np.array(rows_ids), np.array(rows_pos)
+
+
+@pytest.mark.parametrize("case", ["first", "later", "first_beside_later", "long_repeat"])
+def test_kvzip_replay_stream(case):
+    """replay.replay_stream on three rows (a block of 8 at positions 16 .. 23, the same block ending 3 tokens
+    early, a row without tokens): a first block's ids are repeat + suffix + the block; a later block's
+    continue + the 8 tokens before + suffix + the block; the shorter prompt front-padded (4 vs 11 tokens, and
+    13 vs 11 with a long repeat prompt); the embeddings are the model's of those ids."""
+    from models import transformer as tf
+    from vdjax.engine.replay import PREV_POSTFIX, replay_stream
+
+    cfg = tiny_config()
+    params = random_params(cfg, seed=5)
+    hyper = dict(KVZIP_IDS)
+    if case == "long_repeat":
+        hyper["repeat_ids"] = tuple(range(10, 22))
+    rng = np.random.RandomState(5)
+    tok = rng.randint(7, cfg.vocab_size, size=(3, 8)).astype(np.int32)
+    q_pos = np.array([np.arange(16, 24), np.r_[16:21, [-1] * 3], [-1] * 8], np.int32)
+    prev = rng.randint(7, cfg.vocab_size, size=(3, PREV_POSTFIX)).astype(np.int32)
+    prev = None if case == "first" else prev
+    first = case in ("first", "first_beside_later")
+    emb, r_pos = replay_stream(params, hyper, jnp.asarray(tok), jnp.asarray(q_pos),
+                               None if prev is None else jnp.asarray(prev), jnp.asarray(first))
+    want_ids, want_pos = ref_replay_stream(hyper, tok, q_pos, prev, first)
+    width = {"first": 4, "later": 11, "first_beside_later": 11, "long_repeat": 13}[case]
+    assert want_ids.shape == (3, width + 8)
+    np.testing.assert_array_equal(np.asarray(r_pos), want_pos)
+    live = want_pos >= 0
+    want_emb = np.asarray(tf.embed(params, jnp.asarray(want_ids[live])))
+    np.testing.assert_array_equal(np.asarray(emb)[live], want_emb)
+    assert emb.shape == (3, width + 8, cfg.hidden_size)
+    assert want_pos[0, live[0]].tolist() == list(range(24, 24 + live[0].sum()))  # right after the block
+    assert want_pos[1, live[1]].min() == 21 and not live[2].any()
+    pads = {"first": 0, "later": 0, "first_beside_later": 7, "long_repeat": 0}[case]
+    assert (want_pos[0, :pads] == -1).all() and want_pos[0, pads] == 24
+    if case == "long_repeat":  # the continue prompt is the shorter one: front-padded by 2
+        later = ref_replay_stream(hyper, tok, q_pos, prev, False)[1]
+        assert (later[0, :2] == -1).all() and later[0, 2] == 24
+
+
+def test_kvzip_bind_errors():
+    """No ids and no checkpoint folder to read a tokenizer from; ids that are not a non-empty sequence of
+    ids in the vocabulary; given ids pass (as tuples)."""
+    from vdjax.engine.replay import bind_kvzip
+
+    params = random_params(tiny_config())
+    assert params.source is None
+    pol = vdjax.get_policy("kvzip")
+    for given in ({}, {"repeat_ids": (1, 2)}, {**KVZIP_IDS, "suffix_ids": None}):
+        with pytest.raises(ValueError, match="no checkpoint folder to read a tokenizer from; pass repeat_ids"):
+            bind_kvzip(params, pol.hyper(**given))
+    with pytest.raises(ValueError, match="no checkpoint folder"):
+        vdjax.bind("kvzip", params, 8)
+    for name, bad in [("repeat_ids", (1, 61)), ("continue_ids", ()), ("suffix_ids", (-1,)),
+                      ("repeat_ids", "abc"), ("suffix_ids", (1.0,))]:
+        with pytest.raises(ValueError, match=rf"policy 'kvzip': {name} must be a non-empty sequence of token "
+                                             rf"ids in \[0, 61\), got {re.escape(repr(bad))}"):
+            bind_kvzip(params, pol.hyper(**{**KVZIP_IDS, name: bad}))
+    bound = dict(bind_kvzip(params, pol.hyper(**{**KVZIP_IDS, "repeat_ids": [9, 60], "n_sink": 2})))
+    assert bound == {**KVZIP_IDS, "repeat_ids": (9, 60), "n_sink": 2, "chunk_size": 2048,
+                     "kvzip_plus_normalization": False}
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_kvzip_binds_its_ids_from_the_tokenizer(tmp_path, chat):
+    """Without ids, `bind_kvzip` reads the checkpoint's tokenizer: kvpress's repeat and continue prompts, and
+    the suffix "\\n" without a chat template, the template's text between a user message and the assistant's
+    answer with one; ids given are kept."""
+    from helpers import tiny_tokenizer
+
+    from vdjax.engine.replay import CONTINUE, REPEAT, bind_kvzip, replay_ids_from_tokenizer
+
+    tok = tiny_tokenizer(chat=chat)
+    tok.save_pretrained(tmp_path)
+    params = random_params(tiny_config(vocab_size=len(tok))).replace(source=str(tmp_path))
+    suffix = "<|im_end|>\n<|im_start|>assistant\n" if chat else "\n"
+    ids = replay_ids_from_tokenizer(tok)
+    for name, text in (("repeat_ids", REPEAT), ("continue_ids", CONTINUE), ("suffix_ids", suffix)):
+        assert ids[name] == tuple(tok.encode(text, add_special_tokens=False))
+        assert tok.decode(ids[name]) == text
+    assert REPEAT == "\n\nRepeat the previous context exactly."
+    assert CONTINUE == "\n\nRepeat the part of the previous context exactly, starting with"
+    pol = vdjax.get_policy("kvzip")
+    bound = dict(bind_kvzip(params, pol.hyper()))
+    assert {name: bound[name] for name in ids} == ids
+    bound = dict(bind_kvzip(params, pol.hyper(suffix_ids=[7, 8])))
+    assert bound["suffix_ids"] == (7, 8) and bound["repeat_ids"] == ids["repeat_ids"]
+    assert dict(vdjax.bind("kvzip", params, 8).hyper)["continue_ids"] == ids["continue_ids"]
+
+
+def ref_kvzip_prefill(params, ids, budget, block, hyper, fed=()):
+    """Layer 0 of one row's kvzip prefill (blocks of `block`), then decode steps feeding `fed`, in NumPy: each
+    block replays (a first block after repeat + suffix, a later one after continue + the 8 tokens before it +
+    suffix, a decoded token after the first prompt) at the positions after it, the replay's layer-0 queries
+    and keys those of its ids' embeddings; the block's feature is `ref_replay_attention` over the kept tokens
+    (their sinks) and the block; the kept tokens and the block's are scored (+inf below n_sink, else the
+    feature) and each head keeps its `budget` best (ties: the earlier position).
+    -> (kept positions per KV head, every token's feature [K, T + len(fed)])."""
+    from models import transformer as tf
+
+    cfg = params.config
+    lw = params.weights["layers"][0]
+    inv_freq, scale = tf.rope_inv_freq(cfg), cfg.rope_attention_factor
+    n_sink = hyper["n_sink"]
+    tokens = [int(t) for t in ids] + [int(t) for t in fed]
+    _, k, v = _layer0_qkv(params, np.asarray(tokens, np.int32))
+    kh, t = k.shape[:2]
+    g = cfg.num_heads // kh
+    wo = np.asarray(lw["wo"], np.float64)  # [Nq, D, H]
+    spans = [(lo, min(lo + block, len(ids)), lo == 0) for lo in range(0, len(ids), block)]
+    spans += [(p, p + 1, True) for p in range(len(ids), t)]
+    feat = np.zeros((kh, t))
+    kept = [[] for _ in range(kh)]
+    for lo, hi, first in spans:
+        q_pos = np.arange(lo, hi)
+        prompt = hyper["repeat_ids"] if first else hyper["continue_ids"] + tuple(tokens[lo - 8:lo])
+        rids = np.asarray(list(prompt) + list(hyper["suffix_ids"]) + tokens[lo:hi], np.int32)
+        r_pos = np.arange(hi, hi + len(rids))
+        qr, kr, vr = _layer0_qkv(params, rids, r_pos)
+        q_r = ref_rope(qr, r_pos[:, None], inv_freq, scale)
+        n_old = max(map(len, kept))
+        cand_pos = np.full((1, kh, n_old + len(q_pos)), -1, np.int32)
+        for h in range(kh):
+            cand_pos[0, h, :len(kept[h])] = kept[h]
+        cand_pos[0, :, n_old:] = q_pos
+        heads, at = np.arange(kh)[:, None], np.maximum(cand_pos[0], 0)
+        cand_k, cand_v = k[heads, at][None], v[heads, at][None]
+        extra = {}
+        if hyper.get("kvzip_plus_normalization"):  # ||h|| of the normed replay, ||W_o v|| per query head
+            x = tf.rms_norm(tf.embed(params, jnp.asarray(rids)[None]), lw["attn_norm"], cfg.rms_norm_eps,
+                            cfg.norm_offset)
+            vals = np.concatenate([cand_v[0], vr], axis=1).astype(np.float64)  # [K, C + R, D]
+            wov = np.array([[np.linalg.norm(vals[h] @ wo[h * g + j], axis=-1) for j in range(g)]
+                            for h in range(kh)])
+            extra = dict(h_norm=np.linalg.norm(np.asarray(x, np.float64), axis=-1), wov=wov[None])
+        feat[:, q_pos] = ref_replay_attention(q_r[None], r_pos[None], kr[None], cand_k, cand_pos, q_pos[None],
+                                              n_sink=n_sink, **extra)[0]
+        for h in range(kh):
+            cand = kept[h] + q_pos.tolist()
+            score = [np.inf if p < n_sink else feat[h, p] for p in cand]
+            ranked = sorted(range(len(cand)), key=lambda j, score=score, cand=cand: (-score[j], cand[j]))
+            kept[h] = sorted(cand[j] for j in ranked[:budget])
+    return kept, feat
+
+
+@pytest.mark.parametrize("mode", ["full", "blocks", "plus"])
+def test_kvzip_engine_keeps_the_numpy_prefills_tokens(mode):
+    """A tiny GQA model under kvzip: one block of the whole prompt (kvpress's full-prefill KVzipPress, a batch
+    of one) and blocks of 8 over a ragged batch (rows of 40 and 29 tokens: row 1's last block padded), the
+    latter with KVzip+ too. Every layer's cache holds `budget` distinct positions of its row, the 4 sinks
+    among them; layer 0 (whose replay, keys and queries do not depend on the cache) keeps the NumPy prefill's
+    positions and carries its feature. In block mode, decode steps (each replayed after the first prompt)
+    keep `budget` tokens, layer 0 those of the NumPy reference fed the same tokens."""
+    cfg = tiny_config()
+    params = random_params(cfg, seed=4)
+    lengths, budget = ((40,), 20) if mode == "full" else ((40, 29), 14)
+    block = 64 if mode == "full" else 8
+    ids = [random_ids(n, cfg.vocab_size, seed=n + 7) for n in lengths]
+    hyper = dict(KVZIP_IDS, n_sink=4, kvzip_plus_normalization=mode == "plus")
+    cache, logits = vdjax.prefill(params, ids, "kvzip", budget, block_size=block, layer_scan=False, **hyper)
+    assert np.isfinite(np.asarray(logits)).all()
+    runs = [(cache, np.array(lengths), [()] * len(ids))]
+    if mode != "full":
+        new = 4
+        gen = vdjax.run(params, ids, "kvzip", budget, block_size=block, max_new_tokens=new, layer_scan=False,
+                        **hyper)
+        assert gen.tokens.shape == (len(ids), new)
+        fed = [gen.tokens[b, :new - 1] for b in range(len(ids))]  # fed at positions T .. T + new - 2
+        runs.append((gen.cache, np.array(lengths) + new - 1, fed))
+    for c, seen, fed in runs:
+        for lc in c.layers:
+            pos = np.asarray(lc.pos)
+            assert pos.shape == (len(ids), cfg.num_kv_heads, budget)
+            for b, n in enumerate(seen):
+                for h in range(cfg.num_kv_heads):
+                    kept = pos[b, h][pos[b, h] >= 0]
+                    assert len(kept) == budget and len(set(kept.tolist())) == budget
+                    assert kept.min() >= 0 and kept.max() < n and set(range(4)) <= set(kept.tolist())
+        pos0, feat0 = np.asarray(c.layers[0].pos), np.asarray(c.layers[0].feat)
+        for b, row in enumerate(ids):
+            kept, feat = ref_kvzip_prefill(params, row, budget, min(block, len(row)), hyper, fed[b])
+            for h in range(cfg.num_kv_heads):
+                slots = pos0[b, h] >= 0
+                assert sorted(pos0[b, h][slots].tolist()) == kept[h], (b, h, len(fed[b]))
+                np.testing.assert_allclose(feat0[b, h][slots], feat[h, pos0[b, h][slots]], rtol=1e-4,
+                                           atol=1e-6)
+            assert np.ptp(feat[:, 4:]) > 0.05  # the feature ranks: not every token ties
+            end = len(row) + len(fed[b])  # and the kept are not streaming's (the sinks and the newest)
+            streaming = list(range(4)) + list(range(end - budget + 4, end))
+            assert any(kept[h] != streaming for h in range(len(kept)))
+
+
+def test_kvzip_block_larger_than_its_chunk_size_is_refused():
+    """Each block replays as one of kvpress's chunks: a block longer than chunk_size is refused, naming it."""
+    cfg = tiny_config()
+    params = random_params(cfg, seed=4)
+    ids = [random_ids(40, cfg.vocab_size, seed=1)]
+    with pytest.raises(ValueError, match=r"chunk_size=8 tokens; got block_size=16: use block_size <= 8"):
+        vdjax.prefill(params, ids, "kvzip", 10, block_size=16, chunk_size=8, layer_scan=False, **KVZIP_IDS)

@@ -9,6 +9,10 @@ context exactly."; later blocks after "Repeat the part of the previous context e
 8 tokens before the block (kvpress's chunks: with `block_size >= T <= chunk_size` and a batch of one the
 replay is kvpress's). A decoded token (and an appended question block) replays after the first prompt: the
 tokens before it are not carried. The replay's own keys and values are dropped after each layer.
+Unlike kvpress with a chat-template model, every prompt token is replayed: kvpress leaves the template's prefix
+(the tokens before the user's text) out of the replay, scored 0 but for its sinks; vdjax does not know where a
+prompt's template ends. With kvpress's ids given (`repeat_ids`, `continue_ids`, `suffix_ids`) and a prompt
+without a template, the kept positions are kvpress's (tests/test_vs_kvpress.py).
 """
 
 from __future__ import annotations
