@@ -6,7 +6,9 @@
   layer holds exactly min(K * N, K * seen) tokens, each head at least min(safeguard, seen), no duplicates,
   positions within [0, seen); a uniform or pyramid layer min(N_l, seen) per head;
 * a budget of T + new is dense; each row of a ragged batch decides alone; composition and errors;
-  `Generation` fields; a 2x2 mesh gives the single-device tokens; the pool's memory.
+  `Generation` fields; a 2x2 mesh gives the single-device tokens; the pool's memory;
+* the wrappers around bases that carry their own per-token feature (compactor, kvzip): the budget kept, and
+  CriticalKV's ||W_o v||_1 recomputed from the candidates' values instead of read from the carried feature.
 """
 
 from __future__ import annotations
@@ -687,3 +689,141 @@ def test_layer_scan_with_layer_budgets(model, rows, monkeypatch):
     assert inputs.plan(model, rows, "adakv:valuediff", [6, 6, 6], BLOCK).scan
     assert inputs.plan(model, rows, "adakv:valuediff", N, BLOCK).scan
     assert inputs.plan(model, rows, "pyramidkv", 30, BLOCK).scan  # fallback: uniform
+
+
+# ---- bases that carry their own per-token feature (compactor's tile attention, kvzip's replay scores) ------
+KVZIP_IDS = {"repeat_ids": (1, 2, 3), "continue_ids": (4, 5), "suffix_ids": (6,)}  # helpers.policy_kwargs'
+COMPACTOR = {"chunk_size": 8, "sink_size_start": 2, "sink_size_end": 1}  # N = 6: room beyond the protected
+# policy -> (keywords, pooled, layer scan, positions every head keeps: the base's sinks)
+CARRIERS = {
+    "criticalkv:compactor": (COMPACTOR, False, True, 2),
+    "criticaladakv:compactor": (COMPACTOR, True, True, 2),
+    "criticalkv:kvzip": (KVZIP_IDS, False, True, 4),
+    "adakv:kvzip": (KVZIP_IDS, True, True, 4),
+    "chunkkv:kvzip": ({**KVZIP_IDS, "chunk_length": 2}, False, True, 4),
+    "pyramidkv:compactor": ({**COMPACTOR, **PYR}, False, False, 2),
+    "compactor+sinks4": (COMPACTOR, False, True, 4),
+}
+
+
+@pytest.mark.parametrize("name", list(CARRIERS))
+def test_wrapped_feature_carriers_keep_the_budget(model, rows, name):
+    """criticalkv / criticaladakv / adakv / chunkkv / pyramidkv / +sinks around compactor and kvzip (each
+    carrying its own per-token feature) through vdjax.prefill and vdjax.run: after the 5-block prefill and
+    after 4 decode steps every layer holds the budget (a pool K * N, at least the safeguard a head; a pyramid
+    its layer's N_l), no duplicates, positions seen, and each head the base's sinks."""
+    kw, pooled, scan, sinks = CARRIERS[name]
+    cache, logits = vdjax.prefill(model, rows, name, budget=N, block_size=BLOCK, layer_scan=scan, **kw)
+    gen = vdjax.run(model, rows, name, budget=N, block_size=BLOCK, max_new_tokens=NEW, layer_scan=scan, **kw)
+    assert np.isfinite(np.asarray(logits)).all() and gen.tokens.shape == (len(LENGTHS), NEW)
+    per_head = PYR_BUDGETS if name.startswith("pyramidkv") else (N,) * LAYERS
+    assert gen.layer_budgets == per_head
+    lengths = np.array(LENGTHS)
+    for c, seen in ((cache, lengths), (gen.cache, lengths + NEW - 1)):
+        _check_cache(c, seen, per_head, pooled, 1)
+        for layer, n in zip(vdjax.kept_positions(c), per_head, strict=True):
+            for r, heads in enumerate(layer):
+                for h in heads:
+                    assert set(range(min(sinks, n, seen[r]))) <= set(h.tolist()), (name, r, h)
+
+
+def _carrier_candidates(seed, b_=2, k_=2, g_=2, n=14, s=6, d=8, hidden=12):
+    """Candidates of a GQA layer (n shuffled cache slots, 3 empty, then a block of s at 40 .., row 1's ending
+    2 early), a carried feature (positive, garbage in the empty slots) and the layer's W_o [Nq, D, H]."""
+    rng = np.random.RandomState(seed)
+    c = n + s
+    k = rng.randn(b_, k_, c, d).astype(np.float32)
+    v = rng.randn(b_, k_, c, d).astype(np.float32)
+    pos = np.full((b_, k_, c), -1, np.int32)
+    for b, h in np.ndindex(b_, k_):
+        others = rng.choice(np.arange(4, 40), n - 7, replace=False)
+        pos[b, h, :n] = rng.permutation(np.r_[0, 1, 2, 3, others, -1, -1, -1])
+    q_pos = np.array([np.arange(40, 40 + s), np.r_[40:40 + s - 2, -1, -1]], np.int32)
+    pos[:, :, n:] = q_pos[:, None]
+    feature = (rng.rand(b_, k_, c) + 0.05).astype(np.float32)
+    feature[pos < 0] = 1e3
+    wo = rng.randn(k_ * g_, d, hidden).astype(np.float32)
+    return k, v, pos, q_pos, feature, wo
+
+
+@pytest.mark.parametrize("base,kw", [("compactor", {**COMPACTOR, "sketch_dimension": 3}),
+                                     ("kvzip", {"n_sink": 2})])
+def test_criticalkv_recomputes_the_value_norm_around_a_carrying_base(base, kw):
+    """criticalkv around compactor or kvzip: the base's score (which reads the carried feature) through
+    CriticalKV's two stages with ||W_o v||_1 of every candidate recomputed from v and the layer's W_o
+    (`adaptive.wo_l1_norm`, the NumPy `ref_wo_l1`), not the carried feature; the cache carries the base's
+    feature."""
+    k, v, pos, q_pos, feature, wo = _carrier_candidates(3)
+    inv_freq = (1.0 / 10000 ** (np.arange(0, 8, 2) / 8)).astype(np.float32)
+    attn = vdjax.AttnInfo(None, jnp.asarray(q_pos), None, weights={"wo": jnp.asarray(wo)},
+                          feature=jnp.asarray(feature), inv_freq=jnp.asarray(inv_freq))
+    pol = vdjax.get_policy(f"criticalkv:{base}")
+    assert pol.token_feature is vdjax.get_policy(base).token_feature
+    n = 8
+    args = (jnp.asarray(k), jnp.asarray(v), attn, jnp.asarray(pos))
+    got = np.asarray(pol(*args, slots=n, **kw))
+    scores = np.asarray(vdjax.get_policy(base)(*args, slots=n, **kw))
+    valid = pos >= 0
+    vnorm = np.asarray(adaptive.wo_l1_norm(jnp.asarray(v), jnp.asarray(wo)))
+    np.testing.assert_allclose(vnorm[valid], ref_wo_l1(v, wo)[valid], rtol=1e-5)
+    want = np.asarray(adaptive.critical_scores(jnp.asarray(scores), jnp.asarray(pos), n, jnp.asarray(vnorm),
+                                               1e-4, 0.5))
+    np.testing.assert_array_equal(got[valid], want[valid])
+    ref = ref_critical_scores(scores, pos, n, ref_wo_l1(v, wo), 1e-4, 0.5)
+    np.testing.assert_array_equal(np.isposinf(got[valid]), np.isposinf(ref[valid]))
+    np.testing.assert_allclose(got[valid], ref[valid], rtol=1e-5)
+    assert np.isfinite(got[valid]).sum() >= 10  # the second stage ranks most candidates
+    carried = np.asarray(adaptive.critical_scores(jnp.asarray(scores), jnp.asarray(pos), n,
+                                                  jnp.asarray(feature), 1e-4, 0.5))
+    fin = valid & np.isfinite(got)
+    assert not np.allclose(got[fin], carried[fin], rtol=1e-2)  # the feature as the norm scores otherwise
+
+
+def test_criticaladakv_pool_recomputes_the_value_norm_around_compactor():
+    """A one-layer model's prefill of one block (nothing cached before it) under criticaladakv:compactor: the
+    pool keeps CriticalAdaKV's selection (`ref_criticaladakv_keep`) of the block from compactor's scores with
+    ||W_o v||_1 of the block's values (`ref_wo_l1`) as the norm, not the carried tile attention."""
+    from models import transformer as tf
+    from vdjax.engine.scores import compactor_tiles
+
+    cfg = tiny_config(num_layers=1, num_heads=HEADS, num_kv_heads=KV)
+    params = random_params(cfg, seed=6)
+    ids = random_ids(40, cfg.vocab_size, seed=6)
+    n, kw = 6, {**COMPACTOR, "sketch_dimension": 3}
+    cache, _ = vdjax.prefill(params, [ids], "criticaladakv:compactor", budget=n, block_size=64, **kw)
+    lw = params.weights["layers"][0]
+    x = tf.embed(params, jnp.asarray(ids)[None])
+    h = tf.rms_norm(x, lw["attn_norm"], cfg.rms_norm_eps, cfg.norm_offset)
+    q_pos = jnp.arange(40, dtype=jnp.int32)[None]
+    inv_freq = jnp.asarray(tf.rope_inv_freq(cfg))
+    _, k, v, _, q = tf.project_qkv(lw, h, q_pos, cfg, inv_freq, with_queries=True)
+    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [1, K, T, D]
+    feature = compactor_tiles(v, lw, k=k, q_pos=q_pos, rope=(q, inv_freq, cfg.rope_attention_factor),
+                              hyper=COMPACTOR)
+    pos = np.broadcast_to(np.arange(40, dtype=np.int32), (1, KV, 40))
+    attn = vdjax.AttnInfo(None, q_pos, None, feature=feature, inv_freq=inv_freq,
+                          rope_scale=cfg.rope_attention_factor)
+    scores = np.asarray(vdjax.get_policy("compactor")(k, v, attn, jnp.asarray(pos), slots=n, **kw))
+    v = np.asarray(v)
+    want = ref_criticaladakv_keep(scores, pos, n, ref_wo_l1(v, np.asarray(lw["wo"])), 0.2, 1e-4, 0.5)[0]
+    kept = [hd.tolist() for hd in vdjax.kept_positions(cache)[0][0]]
+    assert kept == [np.flatnonzero(w).tolist() for w in want]
+    assert sum(map(len, kept)) == KV * n and len({len(hd) for hd in kept}) > 1  # the heads' shares differ
+    other = ref_criticaladakv_keep(scores, pos, n, np.asarray(feature), 0.2, 1e-4, 0.5)[0]
+    assert not np.array_equal(other, want)  # the carried feature as the norm keeps another set
+
+
+def test_combine_refuses_two_carried_features():
+    """A cache carries one per-token feature: combine refuses parts carrying different ones, naming them;
+    parts sharing CriticalKV's ||W_o v||_1 combine."""
+    from vdjax.engine.policies import output_norm
+
+    for parts, names in [({"compactor": .5, "criticalkv:valuediff": .5},
+                          "'compactor', 'criticalkv:valuediff'"),
+                         ({"kvzip": .5, "compactor": .5}, "'compactor', 'kvzip'")]:
+        with pytest.raises(ValueError, match=rf"combine: the parts \[{names}\] carry different per-token "
+                                             r"features; a cache carries one"):
+            vdjax.combine(parts)
+    mix = vdjax.combine({"criticalkv:valuediff": .5, "criticalkv:keydiff": .5})
+    assert mix.token_feature is output_norm
+    assert vdjax.combine({"kvzip": .5, "valuediff": .5}).replay

@@ -1,6 +1,6 @@
 """Every score function equals a plain NumPy reference (here, or in tests/test_scorers.py for those that read
-the queries' statistics, the layer, RoPE, filters or positions' windows and partitions); eviction operators
-keep exactly the right sets."""
+the queries' statistics, the layer, RoPE, filters, positions' windows and partitions, or a replay's
+attention); eviction operators keep exactly the right sets."""
 
 import dataclasses
 import importlib
@@ -116,7 +116,7 @@ def _ref_scores(name, k, v, pos, probs, q_pos, acc, budget, **kw):
 # the policies `_ref_scores` has a reference for, and those tests/test_scorers.py has (its REFERENCED)
 REFERENCED = ("valuediff", "valuediff_dir", "valuediff_norm", "keydiff", "keynorm", "manifoldkv", "streaming",
               "tova", "fastcaote", "h2o", "hybrid", "snapkv", "pyramidkv")
-ELSEWHERE = ("expected_attention", "cur", "random", "lagkv", "leverage", "qfilter", "compactor")
+ELSEWHERE = ("expected_attention", "cur", "random", "lagkv", "leverage", "qfilter", "compactor", "kvzip")
 POLICY_NAMES = [n for n in vdjax.POLICIES if n != "dense"]
 
 
@@ -290,7 +290,7 @@ def test_policy_lookup_errors():
 
 def test_jit_equals_eager_scores():
     """Every registered policy, given all an AttnInfo holds (the queries and their statistics, a per-token
-    feature (compactor's tile attention) too)."""
+    feature (compactor's tile attention, kvzip's replay scores) too)."""
     k, v, pos, probs, q_pos, acc = _inputs(seed=6)
     queries = np.random.RandomState(6).randn(B, S, K * G, D).astype(np.float32)
     stats = QueryStats.of(jnp.asarray(queries), jnp.asarray(q_pos >= 0))

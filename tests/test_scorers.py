@@ -1104,7 +1104,7 @@ def test_replay_attention_matches_numpy(case):
     assert np.all(got[~live] == 0) and np.all(ref[live] > 0)  # padding and the row without tokens score 0
     if not plus:
         assert ref.max() <= 1
-    plain = ref_replay_attention(*args, **{**case, "n_sink": 0, "window": None})
+    plain = ref_replay_attention(*args, **{**case, "n_sink": 0, "window": None}, **extra)
     if plus:  # the norms count
         assert not np.allclose(ref, ref_replay_attention(*args, **case), rtol=1e-3)
     elif "window" in case:  # the window drops the sinks and the oldest keys of the later replay queries
@@ -1118,8 +1118,13 @@ def test_replay_attention_matches_numpy(case):
 
 @pytest.mark.parametrize("n_sink", [4, 0, 12])
 def test_kvzip_matches_numpy(n_sink):
-    """kvzip's score is the carried feature (the replay's attention), +inf at the positions below n_sink."""
+    """kvzip's score is the carried feature (the replay's attention), +inf at the positions below n_sink
+    (positions 0, 3, 4 and 11 cached in every head, in shuffled slots, with empty ones)."""
     k, v, pos, q_pos, *_ = _inputs(3)
+    rng = np.random.RandomState(3)
+    for b, h in np.ndindex(B, K):
+        others = rng.choice(np.arange(12, 40), N - 6, replace=False)
+        pos[b, h, :N] = rng.permutation(np.r_[0, 3, 4, 11, others, -1, -1])
     feature = np.random.RandomState(3).rand(B, K, C).astype(np.float32)
     feature[pos < 0] = 1e3  # garbage in the empty slots
     attn = P.AttnInfo(None, jnp.asarray(q_pos), None, feature=jnp.asarray(feature))
@@ -1202,11 +1207,8 @@ def test_kvzip_replay_stream(case):
     assert emb.shape == (3, width + 8, cfg.hidden_size)
     assert want_pos[0, live[0]].tolist() == list(range(24, 24 + live[0].sum()))  # right after the block
     assert want_pos[1, live[1]].min() == 21 and not live[2].any()
-    pads = {"first": 0, "later": 0, "first_beside_later": 7, "long_repeat": 0}[case]
+    pads = {"first": 0, "later": 0, "first_beside_later": 7, "long_repeat": 2}[case]  # the shorter prompt's
     assert (want_pos[0, :pads] == -1).all() and want_pos[0, pads] == 24
-    if case == "long_repeat":  # the continue prompt is the shorter one: front-padded by 2
-        later = ref_replay_stream(hyper, tok, q_pos, prev, False)[1]
-        assert (later[0, :2] == -1).all() and later[0, 2] == 24
 
 
 def test_kvzip_bind_errors():
@@ -1218,18 +1220,22 @@ def test_kvzip_bind_errors():
     assert params.source is None
     pol = vdjax.get_policy("kvzip")
     for given in ({}, {"repeat_ids": (1, 2)}, {**KVZIP_IDS, "suffix_ids": None}):
-        with pytest.raises(ValueError, match="no checkpoint folder to read a tokenizer from; pass repeat_ids"):
+        with pytest.raises(ValueError, match="no checkpoint folder to read a tokenizer from; pass repeat"):
             bind_kvzip(params, pol.hyper(**given))
     with pytest.raises(ValueError, match="no checkpoint folder"):
         vdjax.bind("kvzip", params, 8)
     for name, bad in [("repeat_ids", (1, 61)), ("continue_ids", ()), ("suffix_ids", (-1,)),
-                      ("repeat_ids", "abc"), ("suffix_ids", (1.0,))]:
+                      ("repeat_ids", "abc"), ("suffix_ids", (1.0,)), ("suffix_ids", (True,))]:
         with pytest.raises(ValueError, match=rf"policy 'kvzip': {name} must be a non-empty sequence of token "
                                              rf"ids in \[0, 61\), got {re.escape(repr(bad))}"):
             bind_kvzip(params, pol.hyper(**{**KVZIP_IDS, name: bad}))
     bound = dict(bind_kvzip(params, pol.hyper(**{**KVZIP_IDS, "repeat_ids": [9, 60], "n_sink": 2})))
     assert bound == {**KVZIP_IDS, "repeat_ids": (9, 60), "n_sink": 2, "chunk_size": 2048,
                      "kvzip_plus_normalization": False}
+    numpy_ids = dict(bind_kvzip(params, pol.hyper(**{**KVZIP_IDS, "repeat_ids": np.array([9, 60])})))
+    assert numpy_ids["repeat_ids"] == (9, 60) and all(type(i) is int for i in numpy_ids["repeat_ids"])
+    with pytest.raises(ValueError, match=r"chunk_size must be an integer >= 1, got 0"):
+        bind_kvzip(params, pol.hyper(**KVZIP_IDS, chunk_size=0))
 
 
 @pytest.mark.parametrize("chat", [True, False])
@@ -1237,9 +1243,9 @@ def test_kvzip_binds_its_ids_from_the_tokenizer(tmp_path, chat):
     """Without ids, `bind_kvzip` reads the checkpoint's tokenizer: kvpress's repeat and continue prompts, and
     the suffix "\\n" without a chat template, the template's text between a user message and the assistant's
     answer with one; ids given are kept."""
-    from helpers import tiny_tokenizer
-
     from vdjax.engine.replay import CONTINUE, REPEAT, bind_kvzip, replay_ids_from_tokenizer
+
+    from helpers import tiny_tokenizer
 
     tok = tiny_tokenizer(chat=chat)
     tok.save_pretrained(tmp_path)
@@ -1366,5 +1372,17 @@ def test_kvzip_block_larger_than_its_chunk_size_is_refused():
     cfg = tiny_config()
     params = random_params(cfg, seed=4)
     ids = [random_ids(40, cfg.vocab_size, seed=1)]
-    with pytest.raises(ValueError, match=r"chunk_size=8 tokens; got block_size=16: use block_size <= 8"):
+    with pytest.raises(ValueError, match=r"chunk_size=8 tokens; block_size=16 makes blocks of 16 tokens: "
+                                         r"use block_size <= 8"):
         vdjax.prefill(params, ids, "kvzip", 10, block_size=16, chunk_size=8, layer_scan=False, **KVZIP_IDS)
+
+
+def test_kvzip_whole_prompt_within_its_chunk_size_runs():
+    """block_size >= T with T <= chunk_size is kvpress's single chunk (engine/replay.py's docstring): a prompt
+    of 40 tokens at chunk_size=40 runs and keeps the budget."""
+    cfg = tiny_config()
+    params = random_params(cfg, seed=4)
+    ids = [random_ids(40, cfg.vocab_size, seed=1)]
+    cache, _ = vdjax.prefill(params, ids, "kvzip", 10, block_size=64, chunk_size=40, layer_scan=False,
+                             **KVZIP_IDS)
+    assert [len(h) for h in vdjax.kept_positions(cache)[0][0]] == [10] * cfg.num_kv_heads

@@ -124,6 +124,11 @@ def plan(params, ids, policy: Policy | str, budget, block_size, extra_tokens=0, 
     if limit and t > limit:
         warnings.warn(f"the prompt has {t} tokens, more than the model's max_position_embeddings={limit}: "
                       "positions past it were never trained and the output may degrade", stacklevel=3)
+    if bound.policy.replay and min(block_size, t) > dict(bound.hyper)["chunk_size"]:
+        chunk = dict(bound.hyper)["chunk_size"]
+        raise ValueError(f"policy {bound.name!r} replays each block as one chunk of at most "
+                         f"chunk_size={chunk} tokens; block_size={block_size} makes blocks of "
+                         f"{min(block_size, t)} tokens: use block_size <= {chunk}")
     if block_size >= t:
         block, nb = bucket(max(t, 16)), 1
     else:

@@ -156,10 +156,6 @@ def prefill_program(params: Params, tokens, lengths, *, bound: BoundPolicy, slot
 
     xs = (by_block(tokens), by_block(q_pos))
     if bound.policy.replay:  # KVzip: each block's first position and the PREV_POSTFIX tokens before it
-        chunk = dict(bound.hyper)["chunk_size"]
-        if block > chunk:
-            raise ValueError(f"policy {bound.name!r} replays each block as one chunk of at most "
-                             f"chunk_size={chunk} tokens; got block_size={block}: use block_size <= {chunk}")
         starts = fill + block * jnp.arange(nb)
         before = jnp.pad(tokens, ((0, 0), (PREV_POSTFIX, 0)))
         prev = jax.vmap(lambda s0: jax.lax.dynamic_slice_in_dim(before, s0, PREV_POSTFIX, axis=1))(starts)

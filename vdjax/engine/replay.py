@@ -9,17 +9,21 @@ context exactly."; later blocks after "Repeat the part of the previous context e
 8 tokens before the block (kvpress's chunks: with `block_size >= T <= chunk_size` and a batch of one the
 replay is kvpress's). A decoded token (and an appended question block) replays after the first prompt: the
 tokens before it are not carried. The replay's own keys and values are dropped after each layer.
-Unlike kvpress with a chat-template model, every prompt token is replayed: kvpress leaves the template's prefix
-(the tokens before the user's text) out of the replay, scored 0 but for its sinks; vdjax does not know where a
-prompt's template ends. With kvpress's ids given (`repeat_ids`, `continue_ids`, `suffix_ids`) and a prompt
-without a template, the kept positions are kvpress's (tests/test_vs_kvpress.py).
+Unlike kvpress with a chat-template model, every prompt token is replayed: kvpress leaves the template's
+prefix (the tokens before the user's text) out of the replay, scored 0 but for its sinks; vdjax does not know
+where a prompt's template ends. With kvpress's ids given (`repeat_ids`, `continue_ids`, `suffix_ids`) and a
+prompt without a template, the kept positions are kvpress's (tests/test_vs_kvpress.py).
 """
 
 from __future__ import annotations
 
+import operator
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from vdjax.checks import check_int
 from vdjax.models import transformer as tf
 from vdjax.models.params import Params
 
@@ -62,11 +66,16 @@ def bind_kvzip(params: Params, hyper, budget=None):
         hyper.update({n: found[n] for n in names if hyper.get(n) is None})
     vocab = params.config.vocab_size
     for n in names:
-        ids = tuple(hyper[n]) if not isinstance(hyper[n], (str, bytes)) else ()
-        if not ids or not all(isinstance(i, int) and 0 <= i < vocab for i in ids):
+        try:
+            ids = tuple(operator.index(i) for i in hyper[n]) if not isinstance(hyper[n], (str, bytes)) else ()
+        except TypeError:
+            ids = ()
+        if (not ids or any(isinstance(i, (bool, np.bool_)) for i in hyper[n])
+                or not all(0 <= i < vocab for i in ids)):
             raise ValueError(f"policy 'kvzip': {n} must be a non-empty sequence of token ids in "
                              f"[0, {vocab}), got {hyper[n]!r}")
         hyper[n] = ids
+    hyper["chunk_size"] = check_int("chunk_size", hyper["chunk_size"])
     return tuple(sorted(hyper.items()))
 
 
