@@ -260,8 +260,8 @@ def expected_attention(k, v, attn, pos, *, n_future_positions: int = 512, n_sink
     if use_covariance:
         cov = _avg_rope(jnp.swapaxes(_avg_rope(st.cov, attn, n_future_positions), -1, -2), attn,
                         n_future_positions)  # R Sigma R^T [B, Nq, D, D]
-        kc = jnp.einsum("bkcd,bkgde->bkgce", k32, cov.reshape(b, kh, g, d, d))
-        logits = logits + jnp.einsum("bkgce,bkce->bkgc", kc, k32) / d / 2
+        # k^T Sigma k as one contraction (XLA:CPU: a third faster than k Sigma, then the product with k)
+        logits = logits + jnp.einsum("bkcd,bkgde,bkce->bkgc", k32, cov.reshape(b, kh, g, d, d), k32) / d / 2
     scored = (pos >= n_sink)[:, :, None, :]  # [B, K, 1, C]
     probs = jax.nn.softmax(jnp.where(scored, logits, -_INF), axis=-1)
     s = jnp.mean(jnp.where(scored, probs, 0.0), axis=2)
