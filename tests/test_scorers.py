@@ -931,6 +931,19 @@ def _layer0_qkv(params, ids, positions=None):
     return np.asarray(q[0]), np.asarray(k[0].transpose(1, 0, 2)), np.asarray(v[0].transpose(1, 0, 2))
 
 
+def _assert_holds_budget(cache, seen, heads, budget, must_keep):
+    """Every layer holds exactly `budget` distinct positions in each of its `heads` KV heads, each below its
+    row's `seen` tokens, and the positions `must_keep(n)` (the protected ones) among them."""
+    for lc in cache.layers:
+        pos = np.asarray(lc.pos)
+        assert pos.shape == (len(seen), heads, budget)
+        for b, n in enumerate(seen):
+            for h in range(heads):
+                kept = pos[b, h][pos[b, h] >= 0]
+                assert len(kept) == budget and len(set(kept.tolist())) == budget
+                assert kept.min() >= 0 and kept.max() < n and must_keep(n) <= set(kept.tolist())
+
+
 def ref_compactor_prefill(q, k, v, budget, block, inv_freq, scale, chunk_size=256, **hyper):
     """Layer 0 of one row's block prefill under compactor, in NumPy: each block's tokens get their feature
     (`ref_compactor_tiles` over the block) as they enter; the kept tokens and the block's are scored
@@ -979,15 +992,8 @@ def test_compactor_engine_keeps_the_numpy_prefills_tokens(mode):
     cache, logits = vdjax.prefill(params, ids, "compactor", budget, block_size=block, layer_scan=False,
                                   **hyper)
     assert np.isfinite(np.asarray(logits)).all()
-    for lc in cache.layers:
-        pos = np.asarray(lc.pos)
-        assert pos.shape == (len(ids), cfg.num_kv_heads, budget)
-        for b, n in enumerate(lengths):
-            for h in range(cfg.num_kv_heads):
-                kept = pos[b, h][pos[b, h] >= 0]
-                assert len(kept) == budget and len(set(kept.tolist())) == budget
-                assert kept.min() >= 0 and kept.max() < n
-                assert set(range(5)) | set(range(n - 3, n)) <= set(kept.tolist())
+    _assert_holds_budget(cache, lengths, cfg.num_kv_heads, budget,
+                         lambda n: set(range(5)) | set(range(n - 3, n)))
     inv_freq, scale = tf.rope_inv_freq(cfg), cfg.rope_attention_factor
     pos0, feat0 = np.asarray(cache.layers[0].pos), np.asarray(cache.layers[0].feat)
     for b, row in enumerate(ids):
@@ -1345,14 +1351,7 @@ def test_kvzip_engine_keeps_the_numpy_prefills_tokens(mode):
         fed = [gen.tokens[b, :new - 1] for b in range(len(ids))]  # fed at positions T .. T + new - 2
         runs.append((gen.cache, np.array(lengths) + new - 1, fed))
     for c, seen, fed in runs:
-        for lc in c.layers:
-            pos = np.asarray(lc.pos)
-            assert pos.shape == (len(ids), cfg.num_kv_heads, budget)
-            for b, n in enumerate(seen):
-                for h in range(cfg.num_kv_heads):
-                    kept = pos[b, h][pos[b, h] >= 0]
-                    assert len(kept) == budget and len(set(kept.tolist())) == budget
-                    assert kept.min() >= 0 and kept.max() < n and set(range(4)) <= set(kept.tolist())
+        _assert_holds_budget(c, seen, cfg.num_kv_heads, budget, lambda n: set(range(4)))
         pos0, feat0 = np.asarray(c.layers[0].pos), np.asarray(c.layers[0].feat)
         for b, row in enumerate(ids):
             kept, feat = ref_kvzip_prefill(params, row, budget, min(block, len(row)), hyper, fed[b])
