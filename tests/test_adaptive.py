@@ -798,7 +798,7 @@ def test_criticaladakv_pool_recomputes_the_value_norm_around_compactor():
     inv_freq = jnp.asarray(tf.rope_inv_freq(cfg))
     _, k, v, _, q = tf.project_qkv(lw, h, q_pos, cfg, inv_freq, with_queries=True)
     k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [1, K, T, D]
-    feature = compactor_tiles(v, lw, k=k, q_pos=q_pos, rope=(q, inv_freq, cfg.rope_attention_factor),
+    feature = compactor_tiles(v, lw, k=k, q_pos=q_pos, rope=(q, inv_freq, cfg.rope_attention_factor, None),
                               hyper=COMPACTOR)
     pos = np.broadcast_to(np.arange(40, dtype=np.int32), (1, KV, 40))
     attn = vdjax.AttnInfo(None, q_pos, None, feature=feature, inv_freq=inv_freq,

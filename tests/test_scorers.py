@@ -528,7 +528,7 @@ def test_unrotate_inverts_the_models_rope(rope, scale):
     """scores.unrotate(models.transformer.apply_rope(x)) == x, full and partial RoPE, with a scale or not; and
     the NumPy rotation the references use is apply_rope's."""
     from models import transformer as tf
-    from vdjax.engine.scores import unrotate
+    from vdjax.engine.scores import rope_table, unrotate
 
     rng = np.random.RandomState(0)
     x = rng.randn(B, C, K, D).astype(np.float32)  # [B, S, heads, D] as apply_rope takes it
@@ -541,6 +541,35 @@ def test_unrotate_inverts_the_models_rope(rope, scale):
     back = np.asarray(unrotate(jnp.asarray(rot.transpose(0, 2, 1, 3)), jnp.asarray(pos), attn))
     np.testing.assert_allclose(back, x.transpose(0, 2, 1, 3), rtol=1e-4, atol=1e-4)
     assert not np.allclose(rot, x, atol=1e-2)
+    # a prefill's table of every position's cos and sin gives the same values, jitted as the engine runs it
+    table = rope_table(jnp.asarray(inv_freq), 600)
+    assert table.shape == (2, 600, len(inv_freq))
+    with_table = attn.replace(rope_table=table)
+    k_rot, k_pos = jnp.asarray(rot.transpose(0, 2, 1, 3)), jnp.asarray(pos)
+    fast = jax.jit(lambda k, p: unrotate(k, p, with_table))(k_rot, k_pos)
+    slow = jax.jit(lambda k, p: unrotate(k, p, attn))(k_rot, k_pos)
+    np.testing.assert_array_equal(np.asarray(fast), np.asarray(slow))
+
+
+@pytest.mark.parametrize("name", ["leverage", "compactor"])
+def test_rope_tables_change_nothing(name):
+    """The RoPE tables the programs build for `unrotate` (prefill, decode and the question block) give the
+    same tokens and the same kept positions as computing cos and sin per call (the policy without the
+    flag)."""
+    cfg = tiny_config()
+    params = random_params(cfg, seed=3)
+    ids = [random_ids(n, cfg.vocab_size, seed=n) for n in (45, 38)]
+    policy = P.get_policy(name)
+    assert policy.rope_table
+    plain = dataclasses.replace(policy, name=f"{name}-no-table", rope_table=False)
+    hyper = dict(chunk_size=16) if name == "compactor" else {}
+    runs = [vdjax.run(params, ids, pol, 20, block_size=8, max_new_tokens=6, min_new_tokens=6,
+                      question=[3, 4, 5], layer_scan=False, **hyper) for pol in (policy, plain)]
+    np.testing.assert_array_equal(runs[0].tokens, runs[1].tokens)
+    for layer in range(cfg.num_layers):
+        got, want = (r.cache.layers[layer].head_positions() for r in runs)
+        assert [[h.tolist() for h in row] for row in got] == [[h.tolist() for h in row] for row in want]
+    assert runs[0].tokens.shape[1] == 6
 
 
 @pytest.mark.parametrize("case", [{}, dict(sketch_dimension=5, ridge=0.1, seed=3, layer=2),
@@ -804,7 +833,8 @@ def test_compactor_tiles_match_numpy(case):
     v = rng.randn(3, K, s, D).astype(np.float32)
     assert vdjax.get_policy("compactor").token_feature is compactor_tiles
     got = np.asarray(compactor_tiles(jnp.asarray(v), None, k=jnp.asarray(k), q_pos=jnp.asarray(q_pos),
-                                     rope=(jnp.asarray(queries), jnp.asarray(inv_freq), scale), hyper=case))
+                                     rope=(jnp.asarray(queries), jnp.asarray(inv_freq), scale, None),
+                                     hyper=case))
     ref = ref_compactor_tiles(queries, k, q_pos, inv_freq, scale, **case)
     assert got.shape == (3, K, s)
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)

@@ -151,6 +151,13 @@ def _keys(key, x: Placed):
     return key if not extra else jnp.concatenate([key, jnp.repeat(key[:1], extra, axis=0)])
 
 
+def _positions(p: Plan, more: int) -> int:
+    """The programs' static bound on positions (their RoPE tables, `programs.rope_tables`): the prompt's
+    padded length plus `more`, bucketed so that nearby lengths share a program; 0 when the policy reads no
+    table."""
+    return bucket(p.tokens.shape[1] + more) if p.bound.policy.rope_table else 0
+
+
 def _append_question(x: Placed, p: Plan, cache: KVCache, q_ids: np.ndarray, extra_q: int):
     """Question-agnostic protocol: append the question ids [B, Q] whole after the context was cut to budget
     (the cache grows by `extra_q` >= Q slots, nothing is evicted). Returns (cache, last logits)."""
@@ -164,7 +171,7 @@ def _append_question(x: Placed, p: Plan, cache: KVCache, q_ids: np.ndarray, extr
         cache = grow(cache, extra_q, p.scan)
     cache, logits = extend_program(x.params, cache, jax.device_put(q_tokens),
                                    jax.device_put(q_pos.astype(np.int32)), bound=p.bound, scan=p.scan,
-                                   **x.jit_kw)
+                                   positions=_positions(p, extra_q), **x.jit_kw)
     return cache, logits
 
 
@@ -225,7 +232,8 @@ def run(
     padded = {} if x.live is None else {"live": x.live}
     args = (params, cache, logits, lengths, key, eos, pad, jax.device_put(np.int32(max_new)))
     kw = dict(bound=p.bound, max_out=max_out, temperature=float(temperature), top_k=int(top_k),
-              top_p=float(top_p), min_new=min_new, scan=p.scan, **x.jit_kw, **padded)
+              top_p=float(top_p), min_new=min_new, scan=p.scan, positions=_positions(p, max_out + extra_q),
+              **x.jit_kw, **padded)
     behind = BACKGROUND.submit(decode_program, args, kw)  # compiles while the prefill runs
     logits.block_until_ready()
     t1 = time.perf_counter()
@@ -284,4 +292,4 @@ def continuation_logprobs(
     args, statics = _prefill_args(p, x)
     cache, logits = prefill_program(*args, **statics)
     return np.asarray(forced_program(x.params, cache, logits, x.lengths, jax.device_put(cont), bound=p.bound,
-                                     scan=p.scan))
+                                     scan=p.scan, positions=_positions(p, cont.shape[1])))

@@ -88,9 +88,9 @@ class CacheRule:
         plans them together with the other layers of the block; a pool is planned here); dense writes each
         token at slot = its position (planned at once). `weights`: the layer's, for scores that read them;
         `rope`: (the block's pre-RoPE queries [B, S, Nq, D] for a policy that reads them, else None; the
-        layer's inverse RoPE frequencies; the RoPE scale); `feature`: the block tokens' per-token feature
-        [B, K, S] where the programs computed it (KVzip's replay scores), else the policy's
-        `token_feature`."""
+        layer's inverse RoPE frequencies; the RoPE scale; `scores.rope_table` or None); `feature`: the block
+        tokens' per-token feature [B, K, S] where the programs computed it (KVzip's replay scores), else the
+        policy's `token_feature`."""
         if not self.evicts:
             return Pending(lc, k_new, v_new, *(None,) * 3, *_dense_plan(lc, q_pos, window))
         if lc.pooled:
@@ -125,8 +125,8 @@ def _candidates(bound: BoundPolicy, lc: LayerCache, k_new, v_new, probs, q_pos, 
         acc = acc + jnp.sum(jnp.mean(probs, axis=2) * valid_q, axis=2)
     extra, stats = {}, None
     if rope is not None:
-        queries, inv_freq, scale = rope
-        extra = dict(inv_freq=inv_freq, rope_scale=scale)
+        queries, inv_freq, scale, table = rope
+        extra = dict(inv_freq=inv_freq, rope_scale=scale, rope_table=table)
         if bound.policy.queries:
             n_sink = dict(bound.hyper).get("n_sink", 0)
             stats = lc.stats.merge(QueryStats.of(queries, q_pos >= n_sink))

@@ -121,15 +121,18 @@ class Policy:
     # left out of the statistics)
     queries: bool = False
     # (v_new [B, K, S, D], the layer's weights, *, k=k_new post-RoPE, q_pos [B, S], rope=(pre-RoPE queries or
-    # None, inv_freq, scale), hyper=dict) -> [B, K, S] fp32: a per-token feature computed once when a token
-    # enters, carried per slot and given to the score as `AttnInfo.feature` (CriticalKV's ||W_o v||_1,
-    # Compactor's tile attention)
+    # None, inv_freq, scale, RoPE table or None), hyper=dict) -> [B, K, S] fp32: a per-token feature computed
+    # once when a token enters, carried per slot and given to the score as `AttnInfo.feature` (CriticalKV's
+    # ||W_o v||_1, Compactor's tile attention)
     token_feature: Callable[..., jax.Array] | None = None
     # (num_layers, n, t, hyper dict) -> per-layer budgets for a prompt of t tokens (PyramidKV); None: uniform
     layers: Callable[..., tuple[int, ...]] | None = None
     # the programs run KVzip's replay stream beside every block and step (`replay`) and hand its scores to
     # the policy as the new tokens' feature (its `token_feature` is then `replay_feature`)
     replay: bool = False
+    # reads `AttnInfo.rope_table` (cos and sin of every position, for `unrotate`): the programs build it once
+    # per prefill and decode instead of the score evaluating them per call
+    rope_table: bool = False
 
     def calibrated(self, folder) -> bool:
         """Whether the model in `folder` has what this policy needs to run with its defaults."""
@@ -291,11 +294,11 @@ for _p in (
     Policy("qfilter", qfilter, (("filters", None),), bind=bind_qfilters, calibration=has_qfilters),
     Policy("compactor", compactor, (("blending", None), ("chunk_size", 256), ("ridge", 1e-2), ("seed", 0),
                                     ("sink_size_end", 4), ("sink_size_start", 8), ("sketch_dimension", 48)),
-           queries=True, token_feature=compactor_tiles),
+           queries=True, token_feature=compactor_tiles, rope_table=True),
     Policy("kvzip", kvzip, (("chunk_size", 2048), ("continue_ids", None), ("kvzip_plus_normalization", False),
                             ("n_sink", 4), ("repeat_ids", None), ("suffix_ids", None)),
            bind=bind_kvzip, token_feature=replay_feature, replay=True),
-    Policy("leverage", leverage, (("ridge", 1e-2), ("seed", 0), ("sketch_dimension", 48))),
+    Policy("leverage", leverage, (("ridge", 1e-2), ("seed", 0), ("sketch_dimension", 48)), rope_table=True),
     Policy("lagkv", lagkv, (("cross_scoring", False), ("lag_size", 128), ("n_sink", 4))),
     Policy("cur", cur, (("leverage_type", "kv_product"), ("local_window_size", 16), ("num_sinks", 4),
                         ("seed", 0), ("use_random_leverage", False))),
@@ -386,6 +389,7 @@ def combine(weights: Mapping[Policy | str, float], name: str | None = None) -> P
         accumulates=any(p.accumulates for p, _ in parts),
         queries=any(p.queries for p, _ in parts),  # a part reading queries gets them (and their statistics)
         replay=any(p.replay for p, _ in parts),
+        rope_table=any(p.rope_table for p, _ in parts),
         token_feature=features.pop() if len(features) == 1 else None,  # else each part computes its own
     )
 

@@ -15,23 +15,23 @@ import jax.numpy as jnp
 
 from vdjax.engine.cache import KVCache, LayerCache
 from vdjax.engine.evict import cache_rule, drop_dead, evict, fill_tokens
-from vdjax.engine.forms import layer_weights, loop_form
+from vdjax.engine.forms import layer_period, layer_weights, loop_form
 from vdjax.engine.policies import BoundPolicy
 from vdjax.engine.replay import PREV_POSTFIX, main, stream
 from vdjax.engine.sampling import sample, split
-from vdjax.engine.scores import replay_attention, rotate
+from vdjax.engine.scores import replay_attention, rope_table, rotate
 from vdjax.engine.sharding import constrain_cache
 from vdjax.models import transformer as tf
 from vdjax.models.deltanet import LinearState
 from vdjax.models.params import Params
 
 
-def _layer(cfg, bound: BoundPolicy, kind: int, index, lw: dict, lc, x, q_pos):
+def _layer(cfg, bound: BoundPolicy, kind: int, index, lw: dict, lc, x, q_pos, tables=None):
     """One layer over a block x [B, S, H]: attention and its candidates' scores, or a Gated DeltaNet step.
     `kind` (static) is a layer with this layer's settings (type, window, RoPE); `index` the layer's own index
-    (a traced scalar inside the layer scan). x may be (x, x_replay, replay positions): KVzip's replay stream
-    (`replay`) runs through the layer beside the block. Returns (x, the layer's new cache, or an eviction
-    `evict.Pending`)."""
+    (a traced scalar inside the layer scan); `tables`: `rope_tables` (None: none). x may be (x, x_replay,
+    replay positions): KVzip's replay stream (`replay`) runs through the layer beside the block. Returns (x,
+    the layer's new cache, or an eviction `evict.Pending`)."""
     replaying = isinstance(x, tuple)
     if replaying:
         x, xr, r_pos = x
@@ -52,7 +52,7 @@ def _layer(cfg, bound: BoundPolicy, kind: int, index, lw: dict, lc, x, q_pos):
         x, k_new, v_new, probs = tf.layer_forward(lw, x, q_pos, view.k, view.v, view.pos, cfg, inv_freq,
                                                   window)
         q_pre = None
-    rope = (q_pre, inv_freq, cfg.rope_attention_factor)
+    rope = (q_pre, inv_freq, cfg.rope_attention_factor, None if tables is None else tables[kind])
     feature = None
     if replaying:
         xr, feature = _replay_layer(cfg, bound, lw, view, k_new, v_new, q_pos, xr, r_pos, inv_freq, window)
@@ -83,9 +83,28 @@ def _replay_layer(cfg, bound: BoundPolicy, lw: dict, view, k_new, v_new, q_pos, 
     return out, feat
 
 
-def _run_layers(cfg, bound: BoundPolicy, lws: tuple, caches: tuple, x, q_pos, scan: bool):
+def rope_tables(cfg, positions: int, scan: bool) -> dict | None:
+    """`scores.rope_table` of positions 0 .. positions - 1 for each layer kind `_run_layers` passes to
+    `_layer` (one table per distinct RoPE setting, shared), for a policy with `rope_table`; None when
+    positions is 0 (then `unrotate` computes cos and sin itself)."""
+    if not positions:
+        return None
+    kinds = range(layer_period(cfg) if scan else cfg.num_layers)
+    tables, made = {}, {}
+    for kind in kinds:
+        if cfg.attends(kind):
+            inv_freq = tf.layer_settings(cfg, kind)[0]
+            key = inv_freq.tobytes()
+            if key not in made:
+                made[key] = rope_table(jnp.asarray(inv_freq), positions)
+            tables[kind] = made[key]
+    return tables
+
+
+def _run_layers(cfg, bound: BoundPolicy, lws: tuple, caches: tuple, x, q_pos, scan: bool, tables=None):
     """All layers over one block x [B, S, H] at positions q_pos [B, S], evicting after each layer's attention;
-    `lws`, `caches` in `loop_form`. Returns (x, new caches in loop form).
+    `lws`, `caches` in `loop_form`; `tables`: `rope_tables` (a prefill's). Returns (x, new caches in loop
+    form).
 
     Unrolled, every layer has its own weight and cache buffers: XLA reads weights in place and writes only the
     new rows of each cache, but compiles every layer. With `scan`, one step of `layer_period` layers is
@@ -95,7 +114,7 @@ def _run_layers(cfg, bound: BoundPolicy, lws: tuple, caches: tuple, x, q_pos, sc
     if not scan:
         out = []
         for i, (lw, lc) in enumerate(zip(lws, caches, strict=True)):
-            x, update = _layer(cfg, bound, i, i, lw, lc, x, q_pos)
+            x, update = _layer(cfg, bound, i, i, lw, lc, x, q_pos, tables)
             out.append(update)
         return evict(x, out)
     p = len(lws)
@@ -104,7 +123,7 @@ def _run_layers(cfg, bound: BoundPolicy, lws: tuple, caches: tuple, x, q_pos, sc
         g, ws, cs = xs
         out = []
         for j in range(p):
-            x, update = _layer(cfg, bound, j, g * p + j, ws[j], cs[j], x, q_pos)
+            x, update = _layer(cfg, bound, j, g * p + j, ws[j], cs[j], x, q_pos, tables)
             out.append(update)
         return evict(x, out)
 
@@ -161,6 +180,7 @@ def prefill_program(params: Params, tokens, lengths, *, bound: BoundPolicy, slot
         prev = jax.vmap(lambda s0: jax.lax.dynamic_slice_in_dim(before, s0, PREV_POSTFIX, axis=1))(starts)
         xs = xs + (prev, starts == 0)  # [nb, B, 8], [nb]
     lws = layer_weights(params, scan)  # in loop form, outside the block loop
+    tables = rope_tables(cfg, t, scan) if bound.policy.rope_table else None  # outside the block loop
     caches = _constrain(caches, mesh, scan)
 
     def block_step(carry, xs):
@@ -169,7 +189,7 @@ def prefill_program(params: Params, tokens, lengths, *, bound: BoundPolicy, slot
         def run(carry):
             caches, h_last = carry
             x = stream(params, bound, tok, qp, *replayed)
-            x, caches = _run_layers(cfg, bound, lws, caches, x, qp, scan)
+            x, caches = _run_layers(cfg, bound, lws, caches, x, qp, scan, tables)
             x = main(x)
             caches = _constrain(caches, mesh, scan)
             is_last = qp == (lengths - 1)[:, None]  # [B, S]
@@ -253,18 +273,20 @@ def _dense_prefill(params: Params, tokens, q_pos, lengths, slots: int, mesh, sca
     return constrain_cache(KVCache(layers), mesh, stacked=scan), tf.final_logits(params, h_last)
 
 
-@functools.partial(jax.jit, static_argnames=("bound", "mesh", "scan"))
+@functools.partial(jax.jit, static_argnames=("bound", "mesh", "scan", "positions"))
 def extend_program(params: Params, cache: KVCache, tokens, q_pos, *, bound: BoundPolicy, mesh=None,
-                   scan: bool = False):
+                   scan: bool = False, positions: int = 0):
     """Append one block tokens [B, S] at positions q_pos [B, S] (-1 = padding) -> (cache, last logits [B, V]).
 
     Used for the question of the question-agnostic protocol: the cache has room for every question token,
-    so the policy scores them but evicts nothing. The cache in and out in `loop_form`.
+    so the policy scores them but evicts nothing. `positions`: a bound on every position (`rope_tables`;
+    0: none). The cache in and out in `loop_form`.
     """
     cfg = params.config
     caches = _constrain(cache.layers, mesh, scan)
-    x, caches = _run_layers(cfg, bound, layer_weights(params, scan), caches,
-                            stream(params, bound, tokens, q_pos), q_pos, scan)
+    x = stream(params, bound, tokens, q_pos)
+    x, caches = _run_layers(cfg, bound, layer_weights(params, scan), caches, x, q_pos, scan,
+                            rope_tables(cfg, positions, scan))
     x = main(x)
     caches = _constrain(caches, mesh, scan)
     is_last = q_pos == jnp.max(q_pos, axis=1, keepdims=True)  # [B, S]
@@ -296,13 +318,16 @@ def grow(cache: KVCache, extra: int, scan: bool = False) -> KVCache:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("bound", "max_out", "temperature", "top_k", "top_p", "min_new", "mesh", "scan"),
+    static_argnames=("bound", "max_out", "temperature", "top_k", "top_p", "min_new", "mesh", "scan",
+                     "positions"),
     donate_argnums=(1,),
 )
 def decode_program(params, cache, logits, lengths, key, eos, pad, max_new, *, bound: BoundPolicy, max_out,
-                   temperature, top_k, top_p, min_new=0, mesh=None, live=None, scan: bool = False):
+                   temperature, top_k, top_p, min_new=0, mesh=None, live=None, scan: bool = False,
+                   positions: int = 0):
     """Sample max_new (<= max_out, traced: one program per bucket) tokens into [B, max_out] from the prefill
     logits, evicting once per layer per step.
+    `positions`: a bound on every position (`rope_tables`, built once outside the token loop; 0: none).
 
     The first `min_new` tokens cannot be EOS (their EOS logits are masked, as HF's min_new_tokens).
     `live` [B] bool (None = all): rows marked False (the mesh's padding rows) count as done from the start.
@@ -327,12 +352,13 @@ def decode_program(params, cache, logits, lengths, key, eos, pad, max_new, *, bo
 
     cfg = params.config
     lws = layer_weights(params, scan)  # in loop form, outside the token loop
+    tables = rope_tables(cfg, positions, scan)
 
     def body(state):
         i, caches, tok, done, out, key = state
         q_pos = (lengths + i - 1)[:, None]  # [B, 1] the fed token's position
         x, caches = _run_layers(cfg, bound, lws, caches, stream(params, bound, tok[:, None], q_pos), q_pos,
-                                scan)
+                                scan, tables)
         x = main(x)
         caches = _constrain(caches, mesh, scan)
         key, sub = split(key)
@@ -345,13 +371,15 @@ def decode_program(params, cache, logits, lengths, key, eos, pad, max_new, *, bo
     return out, i, KVCache(caches)
 
 
-@functools.partial(jax.jit, static_argnames=("bound", "scan"))
-def forced_program(params, cache, logits, lengths, cont, *, bound: BoundPolicy, scan: bool = False):
+@functools.partial(jax.jit, static_argnames=("bound", "scan", "positions"))
+def forced_program(params, cache, logits, lengths, cont, *, bound: BoundPolicy, scan: bool = False,
+                   positions: int = 0):
     """Teacher-forced log p(cont[:, j] | prompt, cont[:, :j]) [B, C] from the prefill's last logits [B, V]:
     each continuation token is fed as a decode step feeds its sample (one eviction per layer per
-    token). The cache in `loop_form`."""
+    token). `positions` as `decode_program`'s. The cache in `loop_form`."""
     cfg = params.config
     lws = layer_weights(params, scan)
+    tables = rope_tables(cfg, positions, scan)
 
     def logprob(lg, tok):  # lg [B, V], tok [B] -> [B]
         lp = jax.nn.log_softmax(lg.astype(jnp.float32), axis=-1)
@@ -361,7 +389,7 @@ def forced_program(params, cache, logits, lengths, cont, *, bound: BoundPolicy, 
         j, fed, nxt = xs  # fed [B] at position lengths + j; nxt [B] the token it should predict
         q_pos = (lengths + j)[:, None]
         x, caches = _run_layers(cfg, bound, lws, caches, stream(params, bound, fed[:, None], q_pos), q_pos,
-                                scan)
+                                scan, tables)
         x = main(x)
         return caches, logprob(tf.final_logits(params, x[:, 0]), nxt)
 

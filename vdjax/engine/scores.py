@@ -41,12 +41,16 @@ class AttnInfo:
     # `cache.QueryStats` of every query seen so far (this block's included)
     queries: Any = None
     stats: Any = None
-    # the layer's inverse RoPE frequencies [R/2] and the RoPE scale (cos and sin are multiplied by it)
     # the candidates' per-token feature [B, K, C] for a policy with a `token_feature` (computed once when each
     # token entered and carried in the cache), else None
     feature: Any = None
+    # the layer's inverse RoPE frequencies [R/2] and the RoPE scale (cos and sin are multiplied by it)
     inv_freq: Any = None
     rope_scale: float = flax.struct.field(pytree_node=False, default=1.0)
+    # cos and sin [2, P, R/2] of positions 0 .. P - 1 with these frequencies (`rope_table`), computed once per
+    # prefill, where every position is below P: `unrotate` gathers them instead of evaluating them per call;
+    # None (decode, or outside the engine): computed from the positions
+    rope_table: Any = None
 
     @property
     def last_index(self) -> jax.Array:
@@ -150,9 +154,12 @@ def _pool_by_position(scores: jax.Array, pos: jax.Array, kernel: int, pooling: s
     "max": max-pooling; "avg": sum over the window / kernel, padding counted (torch's avg_pool1d with
     padding=kernel//2, as SnapKV's and kvpress's code). Invalid candidates
     sort last and pool as padding. """
-    order = jnp.argsort(jnp.where(pos >= 0, pos, jnp.iinfo(jnp.int32).max), axis=-1)  # invalid last
     pad_value = -_INF if pooling == "max" else 0.0
-    sorted_scores = jnp.take_along_axis(jnp.where(pos >= 0, scores, pad_value), order, axis=-1)
+    key = jnp.where(pos >= 0, pos, jnp.iinfo(jnp.int32).max)  # invalid last
+    iota = jax.lax.broadcasted_iota(jnp.int32, pos.shape, pos.ndim - 1)
+    # one stable sort carries the scores along (cheaper on CPU than argsort + gather)
+    _, order, sorted_scores = jax.lax.sort((key, iota, jnp.where(pos >= 0, scores, pad_value)), dimension=-1,
+                                           is_stable=True, num_keys=1)
     pad = kernel // 2
     window = ((0, 0), (0, 0), (pad, kernel - 1 - pad))
     if pooling == "max":
@@ -160,8 +167,9 @@ def _pool_by_position(scores: jax.Array, pos: jax.Array, kernel: int, pooling: s
     else:
         pooled = jax.lax.reduce_window(sorted_scores, 0.0, jax.lax.add, (1, 1, kernel), (1, 1, 1), window)
         pooled = pooled / kernel
-    inverse = jnp.argsort(order, axis=-1)
-    return jnp.take_along_axis(pooled, inverse, axis=-1)
+    b, kh, _ = pos.shape
+    rows, heads = jnp.arange(b)[:, None, None], jnp.arange(kh)[None, :, None]
+    return jnp.zeros_like(pooled).at[rows, heads, order].set(pooled, unique_indices=True)  # back to slots
 
 
 SNAPKV_KERNELS = {"max": 7,
@@ -374,12 +382,25 @@ def lagkv(k, v, attn, pos, *, n_sink: int = 4, lag_size: int = 128, cross_scorin
     return jnp.where(short, jnp.where(sink, 1.0, recency), lag)
 
 
+def rope_table(inv_freq: jax.Array, positions: int) -> jax.Array:
+    """cos and sin [2, P, R/2] of positions 0 .. P - 1 times inv_freq [R/2] (fp32, the same values `unrotate`
+    computes from the positions)."""
+    f = jnp.arange(positions, dtype=jnp.int32).astype(jnp.float32)[:, None] * inv_freq  # [P, R/2]
+    return jnp.stack([jnp.cos(f), jnp.sin(f)])
+
+
 def unrotate(k: jax.Array, pos: jax.Array, attn: AttnInfo) -> jax.Array:
     """Pre-RoPE keys from the cached (post-RoPE) ones: k [B, K, C, D] rotated back by its positions' RoPE
-    (the inverse rotation divided by the RoPE scale; dims past the rotated ones unchanged), fp32."""
+    (the inverse rotation divided by the RoPE scale; dims past the rotated ones unchanged), fp32. cos and
+    sin are read from `attn.rope_table` when given (XLA:CPU evaluates them slowly at large angles and repeats
+    them in each fused consumer: 3x the rest of `leverage` at 8k positions), else computed."""
     half = attn.inv_freq.shape[-1]
-    f = jnp.maximum(pos, 0).astype(jnp.float32)[..., None] * attn.inv_freq  # [B, K, C, R/2]
-    c, s = jnp.cos(f) / attn.rope_scale, jnp.sin(f) / attn.rope_scale
+    if attn.rope_table is not None:
+        cs = jnp.take(attn.rope_table, jnp.maximum(pos, 0), axis=1, mode="clip")  # [2, B, K, C, R/2]
+        c, s = cs[0] / attn.rope_scale, cs[1] / attn.rope_scale
+    else:
+        f = jnp.maximum(pos, 0).astype(jnp.float32)[..., None] * attn.inv_freq  # [B, K, C, R/2]
+        c, s = jnp.cos(f) / attn.rope_scale, jnp.sin(f) / attn.rope_scale
     k = k.astype(jnp.float32)
     y1, y2, rest = k[..., :half], k[..., half:2 * half], k[..., 2 * half:]
     return jnp.concatenate([c * y1 + s * y2, c * y2 - s * y1, rest], axis=-1)
@@ -483,7 +504,7 @@ def compactor_tiles(v, weights, *, k, q_pos, rope, hyper, **_) -> jax.Array:
     past the first `sink_size_start` positions; the block's newest `sink_size_end` tokens (protected at this
     boundary) are left out of the others' tiles, as kvpress leaves the prompt's last tokens out, and get
     theirs from the same tiling with them in. v [B, K, S, D], k [B, K, S, D] post-RoPE -> [B, K, S] fp32."""
-    queries, inv_freq, scale = rope
+    queries, inv_freq, scale, _ = rope
     start, end, chunk = hyper["sink_size_start"], hyper["sink_size_end"], hyper["chunk_size"]
     q = rotate(queries, q_pos, inv_freq, scale)
     last = jnp.max(q_pos, axis=1, keepdims=True)  # [B, 1]
