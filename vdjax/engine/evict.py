@@ -127,10 +127,12 @@ def _candidates(bound: BoundPolicy, lc: LayerCache, k_new, v_new, probs, q_pos, 
     if rope is not None:
         queries, inv_freq, scale, table = rope
         extra = dict(inv_freq=inv_freq, rope_scale=scale, rope_table=table)
-        if bound.policy.queries:
+        if bound.policy.queries or bound.policy.query_stats:
+            extra.update(queries=queries)
+        if bound.policy.query_stats:
             n_sink = dict(bound.hyper).get("n_sink", 0)
             stats = lc.stats.merge(QueryStats.of(queries, q_pos >= n_sink))
-            extra.update(queries=queries, stats=stats)
+            extra.update(stats=stats)
     feat_new = None
     if feature is not None:  # computed by the programs (KVzip's replay)
         feat_new = feature.astype(jnp.float32)
@@ -283,7 +285,8 @@ def fill_tokens(cfg, bound: BoundPolicy, per_layer: tuple[int, ...], block: int,
     whole, each new token in the next free slot, i.e. slot = position) and no token of a sliding layer dies.
     0 for a policy that accumulates attention, reads queries or carries a per-token feature (its scores need
     every block's)."""
-    if bound.accumulates or bound.policy.queries or bound.policy.token_feature is not None:
+    policy = bound.policy
+    if bound.accumulates or policy.queries or policy.query_stats or policy.token_feature is not None:
         return 0
     attending = [n for i, n in enumerate(per_layer) if cfg.attends(i)]
     room = min(attending) if attending else t

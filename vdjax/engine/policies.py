@@ -8,9 +8,9 @@ policies are one function and one `register` line away:
 
 What a score reads is one typed context, `scores.AttnInfo`: the block's attention probabilities over the
 candidates, the accumulated attention (`accumulates=True`), the layer index and weights (`attn.weights`), the
-layer's RoPE frequencies, and with `queries=True` the block's pre-RoPE queries and their running statistics,
-which the cache carries from block to block and step to step; a per-token feature computed once when a token
-enters (`token_feature`) is carried per slot and read as `attn.feature`.
+layer's RoPE frequencies, with `queries=True` the block's pre-RoPE queries, with `query_stats=True` their
+running statistics, which the cache carries from block to block and step to step; a per-token feature computed
+once when a token enters (`token_feature`) is carried per slot and read as `attn.feature`.
 
 kvpress 0.5.5's presses in true block mode (kvpress runs each once after a full prefill; with
 `block_size >= T` and a batch of one these keep kvpress's positions, tests/test_vs_kvpress.py). At a block
@@ -116,10 +116,12 @@ class Policy:
     # (e.g. hybrid's fitted weights); None: the policy needs none
     calibration: Callable[[Any], bool] | None = None
     heads: str | None = None  # head-adaptive rule ("adakv", "criticaladakv"): the K heads share K * N slots
-    # reads the block's pre-RoPE queries and their running statistics (`AttnInfo.queries`, `.stats`), which
-    # the cache carries from block to block and step to step (queries at positions < its `n_sink` keyword
-    # left out of the statistics)
+    # reads the block's pre-RoPE queries (`AttnInfo.queries`)
     queries: bool = False
+    # reads the running statistics of every query so far (`AttnInfo.stats`, implies `queries`), which the
+    # cache carries from block to block and step to step (queries at positions < its `n_sink` keyword left
+    # out)
+    query_stats: bool = False
     # (v_new [B, K, S, D], the layer's weights, *, k=k_new post-RoPE, q_pos [B, S], rope=(pre-RoPE queries or
     # None, inv_freq, scale, RoPE table or None), hyper=dict) -> [B, K, S] fp32: a per-token feature computed
     # once when a token enters, carried per slot and given to the score as `AttnInfo.feature` (CriticalKV's
@@ -289,7 +291,7 @@ for _p in (
            layers=_pyramid_rule),
     Policy("expected_attention", expected_attention,
            (("epsilon", 0.0), ("n_future_positions", 512), ("n_sink", 4), ("stats", "all"),
-            ("use_covariance", True), ("use_vnorm", True)), queries=True),
+            ("use_covariance", True), ("use_vnorm", True)), queries=True, query_stats=True),
     Policy("random", random_scores, (("seed", 0),)),
     Policy("qfilter", qfilter, (("filters", None),), bind=bind_qfilters, calibration=has_qfilters),
     Policy("compactor", compactor, (("blending", None), ("chunk_size", 256), ("ridge", 1e-2), ("seed", 0),
@@ -387,7 +389,8 @@ def combine(weights: Mapping[Policy | str, float], name: str | None = None) -> P
         _Combined(parts),
         defaults,
         accumulates=any(p.accumulates for p, _ in parts),
-        queries=any(p.queries for p, _ in parts),  # a part reading queries gets them (and their statistics)
+        queries=any(p.queries for p, _ in parts),  # a part reading queries gets them
+        query_stats=any(p.query_stats for p, _ in parts),
         replay=any(p.replay for p, _ in parts),
         rope_table=any(p.rope_table for p, _ in parts),
         token_feature=features.pop() if len(features) == 1 else None,  # else each part computes its own

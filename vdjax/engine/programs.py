@@ -45,7 +45,7 @@ def _layer(cfg, bound: BoundPolicy, kind: int, index, lw: dict, lc, x, q_pos, ta
     view = lc.view()  # a head-adaptive pool as [B, K, P, ...], each head seeing its own slots
     inv_freq = jnp.asarray(inv_freq)
     rule = cache_rule(bound)
-    if rule.evicts and bound.policy.queries:  # the score reads the block's pre-RoPE queries
+    if rule.evicts and (bound.policy.queries or bound.policy.query_stats):  # it reads pre-RoPE queries
         x, k_new, v_new, probs, q_pre = tf.layer_forward(lw, x, q_pos, view.k, view.v, view.pos, cfg,
                                                          inv_freq, window, with_queries=True)
     else:
@@ -163,7 +163,7 @@ def prefill_program(params: Params, tokens, lengths, *, bound: BoundPolicy, slot
         h_fill = jnp.take_along_axis(x, last, axis=1)[:, 0]  # [B, H]
         h_last = jnp.where((lengths <= fill)[:, None], h_fill, 0)  # [B, H]
     else:
-        caches = KVCache.for_model(cfg, b, per_head, params.dtype, rule.pooled, bound.policy.queries,
+        caches = KVCache.for_model(cfg, b, per_head, params.dtype, rule.pooled, bound.policy.query_stats,
                                    bound.policy.token_feature is not None)
         caches = loop_form(cfg, caches.layers, scan)
         h_last = jnp.zeros((b, cfg.hidden_size), params.dtype)

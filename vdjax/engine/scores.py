@@ -37,8 +37,8 @@ class AttnInfo:
     # the layer's weights as the model holds them (e.g. "wo" [Nq, D, H], the output projection per query
     # head, which CriticalKV reads); None where a score is called outside the engine
     weights: Any = None
-    # for a policy with `queries=True` (else None): the block's pre-RoPE queries [B, S, Nq, D] and the running
-    # `cache.QueryStats` of every query seen so far (this block's included)
+    # for a policy with `queries=True` (else None): the block's pre-RoPE queries [B, S, Nq, D]; with
+    # `query_stats=True` the running `cache.QueryStats` of every query seen so far (this block's included)
     queries: Any = None
     stats: Any = None
     # the candidates' per-token feature [B, K, C] for a policy with a `token_feature` (computed once when each
