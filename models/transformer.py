@@ -332,13 +332,14 @@ def layer_output(lw: dict, x: jax.Array, o: jax.Array, gate: jax.Array | None, c
 
 
 def causal_layer_forward(lw: dict, x: jax.Array, pos: jax.Array, cfg: ModelConfig, inv_freq: jax.Array,
-                         window: int | None = None):
+                         window: int | None = None, with_queries: bool = False):
     """One attention layer over a whole sequence x [B, T, H] with `causal_attention` (no cache, no weights
-    kept): returns (x_out [B, T, H], k [B, K, T, D], v [B, K, T, D]) -- the dense prefill's layer."""
+    kept): returns (x_out [B, T, H], k [B, K, T, D], v [B, K, T, D]) -- the dense prefill's layer -- and with
+    `with_queries` the pre-RoPE queries [B, T, Nq, D] after them."""
     h = rms_norm(x, lw["attn_norm"], cfg.rms_norm_eps, cfg.norm_offset)
-    q, k, v, gate = project_qkv(lw, h, pos, cfg, inv_freq)
+    q, k, v, gate, *pre = project_qkv(lw, h, pos, cfg, inv_freq, with_queries=with_queries)
     o = causal_attention(q, k, v, pos, cfg, window, sinks=lw.get("sinks"))
-    return layer_output(lw, x, o, gate, cfg), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    return layer_output(lw, x, o, gate, cfg), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), *pre
 
 
 def linear_layer_forward(lw: dict, x: jax.Array, q_pos: jax.Array, state: LinearState, cfg: ModelConfig):

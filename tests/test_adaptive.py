@@ -26,6 +26,7 @@ import pytest
 
 import vdjax
 from vdjax.engine import adaptive, inputs
+from vdjax.engine import policies as P
 from vdjax.engine.cache import keep_mask
 
 TESTS = Path(__file__).resolve().parent
@@ -827,3 +828,26 @@ def test_combine_refuses_two_carried_features():
     mix = vdjax.combine({"criticalkv:valuediff": .5, "criticalkv:keydiff": .5})
     assert mix.token_feature is output_norm
     assert vdjax.combine({"kvzip": .5, "valuediff": .5}).replay
+
+
+@pytest.mark.parametrize("policy", ["criticalkv:valuediff", "criticaladakv:valuediff"])
+def test_critical_feature_carried_through_the_fill(policy):
+    """A block prefill whose first blocks run as one causal pass (the fill: budget 20, blocks of 8, so 16
+    tokens) carries ||W_o v||_1 of every cached token in every layer, fill tokens included, as the blocks
+    after it do: the carried feature equals `adaptive.wo_l1_norm` of the cached values (per head, or the
+    pool's)."""
+    from vdjax.engine.evict import cache_rule, fill_tokens
+
+    cfg = tiny_config()
+    params = random_params(cfg, seed=8)
+    ids = [random_ids(n, cfg.vocab_size, seed=n) for n in (37, 30)]
+    bound = P.bind(policy, params, 20)
+    assert fill_tokens(cfg, bound, cache_rule(bound).head_budgets(cfg, 20), 8, 40) == 16
+    cache, _ = vdjax.prefill(params, ids, policy, 20, block_size=8, layer_scan=False)
+    for i, lc in enumerate(cache.layers):
+        view = lc.view()
+        wo = params.weights["layers"][i]["wo"]
+        want = np.asarray(adaptive.wo_l1_norm(view.v, wo))  # [B, K, N]
+        feat, valid = np.asarray(view.feat), np.asarray(view.pos) >= 0
+        assert (np.asarray(view.pos)[valid] < 16).any()  # fill tokens are still cached
+        np.testing.assert_allclose(feat[valid], want[valid], rtol=1e-5, atol=1e-6)

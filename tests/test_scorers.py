@@ -762,8 +762,14 @@ def test_tile_attention_matches_numpy(s, chunk, g):
     member[4, 5:6] = True  # a single member
     q = (0.7 * rng.randn(5, s, kh * g, D)).astype(np.float32)
     k = (0.7 * rng.randn(5, kh, s, D)).astype(np.float32)
-    got = np.asarray(tile_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(member), chunk))
+    # with a subset mask beside it (each row's last member dropped: the tiling of the first mask, shared)
+    sub = member.copy()
+    sub[np.arange(5), s - 1 - np.argmax(member[:, ::-1], axis=1)] = False
+    got, got_sub = (np.asarray(a) for a in tile_attention(jnp.asarray(q), jnp.asarray(k),
+                                                           (jnp.asarray(member), jnp.asarray(sub)), chunk))
     ref = ref_tile_attention(q, k, member, chunk)
+    np.testing.assert_allclose(got_sub[:4], ref_tile_attention(q, k, sub, chunk)[:4], rtol=1e-5, atol=1e-6)
+    assert np.all(got_sub[4] == 0) and not sub[4].any()
     assert got.shape == (5, kh, s) and got.dtype == np.float32
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
     assert np.all(got[:, :, ~member.any(0)] == 0) and np.all(got[2][:, s - 4:] == 0)
@@ -778,7 +784,7 @@ def test_tile_attention_matches_numpy(s, chunk, g):
 def test_rotate_is_the_rope_that_unrotate_inverts(rope, scale):
     """scores.rotate (Compactor's queries) is the NumPy RoPE at the query positions (padding at position 0),
     and scores.unrotate takes it back."""
-    from vdjax.engine.scores import rotate, unrotate
+    from vdjax.engine.scores import rope_table, rotate, unrotate
 
     rng = np.random.RandomState(1)
     q = rng.randn(B, S, NQ, D).astype(np.float32)
@@ -786,6 +792,10 @@ def test_rotate_is_the_rope_that_unrotate_inverts(rope, scale):
     inv_freq = ROPE[rope]
     got = np.asarray(rotate(jnp.asarray(q), jnp.asarray(q_pos), jnp.asarray(inv_freq), scale))
     assert got.dtype == np.float32
+    table = rope_table(jnp.asarray(inv_freq), 600)  # the programs' table: the same values, jitted
+    args = (jnp.asarray(q), jnp.asarray(q_pos), jnp.asarray(inv_freq), scale)
+    jitted = jax.jit(rotate, static_argnums=3)
+    np.testing.assert_array_equal(np.asarray(jitted(*args, table)), np.asarray(jitted(*args)))
     np.testing.assert_allclose(got, ref_rope(q, np.maximum(q_pos, 0)[..., None], inv_freq, scale), rtol=1e-4,
                                atol=1e-4)
     attn = P.AttnInfo(None, None, None, inv_freq=jnp.asarray(inv_freq), rope_scale=scale)

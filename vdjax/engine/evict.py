@@ -283,10 +283,10 @@ def fill_tokens(cfg, bound: BoundPolicy, per_layer: tuple[int, ...], block: int,
     """How many leading prompt tokens an evicting prefill may run as one causal pass: whole blocks that fit
     every attention layer's slots, where nothing is evicted yet (a set of at most N valid candidates is kept
     whole, each new token in the next free slot, i.e. slot = position) and no token of a sliding layer dies.
-    0 for a policy that accumulates attention, reads queries or carries a per-token feature (its scores need
-    every block's)."""
+    A per-token feature is computed there block by block (`programs._fill_feature`). 0 for a policy that
+    accumulates attention, carries query statistics or replays (its state needs every block's scores)."""
     policy = bound.policy
-    if bound.accumulates or policy.queries or policy.query_stats or policy.token_feature is not None:
+    if bound.accumulates or policy.query_stats or policy.replay:
         return 0
     attending = [n for i, n in enumerate(per_layer) if cfg.attends(i)]
     room = min(attending) if attending else t

@@ -155,8 +155,10 @@ def prefill_program(params: Params, tokens, lengths, *, bound: BoundPolicy, slot
         return _dense_prefill(params, tokens, q_pos, lengths, slots, mesh, scan)
     per_head = rule.head_budgets(cfg, slots)
     fill = fill_tokens(cfg, bound, per_head, block, t)
+    tables = rope_tables(cfg, t, scan) if bound.policy.rope_table else None  # outside the block loop
     if fill:  # the blocks before the first eviction: one causal pass (same tokens kept, in the same slots)
-        caches, x = _dense_layers(params, tokens[:, :fill], q_pos[:, :fill], per_head, scan)
+        features = None if bound.policy.token_feature is None else (bound, block, tables)
+        caches, x = _dense_layers(params, tokens[:, :fill], q_pos[:, :fill], per_head, scan, features)
         if rule.pooled:
             caches = tuple(to_pool(c) for c in caches)
         last = jnp.clip(lengths - 1, 0, fill - 1)[:, None, None]
@@ -180,7 +182,6 @@ def prefill_program(params: Params, tokens, lengths, *, bound: BoundPolicy, slot
         prev = jax.vmap(lambda s0: jax.lax.dynamic_slice_in_dim(before, s0, PREV_POSTFIX, axis=1))(starts)
         xs = xs + (prev, starts == 0)  # [nb, B, 8], [nb]
     lws = layer_weights(params, scan)  # in loop form, outside the block loop
-    tables = rope_tables(cfg, t, scan) if bound.policy.rope_table else None  # outside the block loop
     caches = _constrain(caches, mesh, scan)
 
     def block_step(carry, xs):
@@ -220,33 +221,63 @@ def to_pool(lc):
                       lc.stats, None if lc.feat is None else merge(lc.feat))
 
 
-def _dense_layer(cfg, kind: int, lw: dict, x, q_pos, n: int):
+def _fill_feature(cfg, bound: BoundPolicy, lw: dict, k, v, q_pre, q_pos, inv_freq, table, block: int):
+    """The policy's per-token feature [B, K, T] of a fill's tokens (k, v [B, K, T, D], pre-RoPE queries
+    q_pre [B, T, Nq, D], T a multiple of `block`), block by block as the block loop computes it."""
+    b, kh, t, _ = k.shape
+    nb = t // block
+
+    def blocks(a, axis):  # [..., T, ...] -> [nb, ..., block, ...]
+        return jnp.moveaxis(a.reshape(*a.shape[:axis], nb, block, *a.shape[axis + 1:]), axis, 0)
+
+    def one(kb, vb, qb, pb):  # one block: [B, K, S, D] twice, [B, S, Nq, D], [B, S] -> [B, K, S]
+        return bound.policy.token_feature(vb, lw, k=kb, q_pos=pb, hyper=dict(bound.hyper),
+                                          rope=(qb, inv_freq, cfg.rope_attention_factor, table))
+
+    feat = jax.vmap(one)(blocks(k, 2), blocks(v, 2), blocks(q_pre, 1), blocks(q_pos, 1))  # [nb, B, K, S]
+    return jnp.moveaxis(feat, 0, 2).reshape(b, kh, t).astype(jnp.float32)
+
+
+def _dense_layer(cfg, kind: int, lw: dict, x, q_pos, n: int, fill=None):
     """One layer of the causal pass over x [B, T, H]: (x, its cache indexed by position with n >= T slots,
-    padding tokens' rows zeroed, or a Gated DeltaNet layer's state). `kind` as in `_layer`."""
+    padding tokens' rows zeroed, or a Gated DeltaNet layer's state). `kind` as in `_layer`. `fill`: (bound
+    policy, block size, `rope_tables` or None) for a policy with a `token_feature`, computed block by block
+    into the cache's `feat` (`_fill_feature`); None: no feature."""
     b, t = q_pos.shape
     if not cfg.attends(kind):
         return tf.linear_layer_forward(lw, x, q_pos, LinearState.empty(cfg, b, x.dtype), cfg)
     inv_freq, window = tf.layer_settings(cfg, kind)
-    x, k, v = tf.causal_layer_forward(lw, x, q_pos, cfg, jnp.asarray(inv_freq), window)  # k, v [B, K, T, D]
+    inv_freq = jnp.asarray(inv_freq)
+    x, k, v, *q_pre = tf.causal_layer_forward(lw, x, q_pos, cfg, inv_freq, window,
+                                              with_queries=fill is not None)  # k, v [B, K, T, D]
     pos = drop_dead(jnp.broadcast_to(q_pos[:, None, :], k.shape[:3]), q_pos, window)
     live = (q_pos >= 0)[:, None, :, None]  # padding rows hold zeros, as the block path leaves them
     room = [(0, 0), (0, 0), (0, n - t)]
+    feat = None
+    if fill is not None:
+        bound, block, tables = fill
+        feat = _fill_feature(cfg, bound, lw, k, v, q_pre[0], q_pos, inv_freq,
+                             None if tables is None else tables[kind], block)
+        feat = jnp.pad(jnp.where(live[..., 0], feat, 0), room)
     return x, LayerCache(jnp.pad(jnp.where(live, k, 0), room + [(0, 0)]),
                          jnp.pad(jnp.where(live, v, 0), room + [(0, 0)]),
-                         jnp.pad(pos, room, constant_values=-1), jnp.zeros((b, k.shape[1], n), jnp.float32))
+                         jnp.pad(pos, room, constant_values=-1), jnp.zeros((b, k.shape[1], n), jnp.float32),
+                         feat=feat)
 
 
-def _dense_layers(params: Params, tokens, q_pos, slots, scan: bool = False) -> tuple[tuple, jax.Array]:
+def _dense_layers(params: Params, tokens, q_pos, slots, scan: bool = False, fill=None
+                  ) -> tuple[tuple, jax.Array]:
     """Every layer over tokens [B, T] at q_pos [B, T] in one causal pass: (caches in `loop_form`, indexed by
     position with `slots` (an int, or one per layer) >= T slots, padding tokens' rows zeroed; x [B, T, H]).
-    With `scan` the layers run as a `lax.scan` over layer groups (one group compiled, as `_run_layers`)."""
+    With `scan` the layers run as a `lax.scan` over layer groups (one group compiled, as `_run_layers`).
+    `fill` as `_dense_layer`'s."""
     cfg = params.config
     per_layer = (slots,) * cfg.num_layers if isinstance(slots, int) else tuple(slots)
     x = tf.embed(params, tokens)
     if not scan:
         layers = []
         for i, lw in enumerate(layer_weights(params, False)):
-            x, lc = _dense_layer(cfg, i, lw, x, q_pos, per_layer[i])
+            x, lc = _dense_layer(cfg, i, lw, x, q_pos, per_layer[i], fill)
             layers.append(lc)
         return tuple(layers), x  # (unrolled, the loop form is one entry per layer)
     lws = layer_weights(params, True)
@@ -255,7 +286,7 @@ def _dense_layers(params: Params, tokens, q_pos, slots, scan: bool = False) -> t
     def group(x, ws):
         out = []
         for j in range(p):
-            x, lc = _dense_layer(cfg, j, ws[j], x, q_pos, per_layer[j])
+            x, lc = _dense_layer(cfg, j, ws[j], x, q_pos, per_layer[j], fill)
             out.append(lc)
         return x, tuple(out)
 

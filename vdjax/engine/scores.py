@@ -455,47 +455,58 @@ def tril_inverse(lower: jax.Array) -> jax.Array:
     return jnp.concatenate([top, jnp.concatenate([low, di], axis=-1)], axis=-2)
 
 
-def rotate(q: jax.Array, q_pos: jax.Array, inv_freq: jax.Array, scale: float = 1.0) -> jax.Array:
-    """RoPE applied to pre-RoPE queries q [B, S, Nq, D] at positions q_pos [B, S] (cos and sin times `scale`;
-    dims past the rotated ones unchanged): the inverse of `unrotate`, fp32."""
+def rotate(q: jax.Array, q_pos: jax.Array, inv_freq: jax.Array, scale: float = 1.0, table=None) -> jax.Array:
+    """RoPE applied to pre-RoPE queries q [B, S, Nq, D] at positions q_pos [B, S] (cos and sin times `scale`,
+    read from `table` (`rope_table`) when given; dims past the rotated ones unchanged): the inverse of
+    `unrotate`, fp32."""
     half = inv_freq.shape[-1]
-    f = jnp.maximum(q_pos, 0).astype(jnp.float32)[:, :, None, None] * inv_freq  # [B, S, 1, R/2]
-    c, s = jnp.cos(f) * scale, jnp.sin(f) * scale
+    if table is not None:
+        cs = jnp.take(table, jnp.maximum(q_pos, 0), axis=1, mode="clip")[:, :, :, None]  # [2, B, S, 1, R/2]
+        c, s = cs[0] * scale, cs[1] * scale
+    else:
+        f = jnp.maximum(q_pos, 0).astype(jnp.float32)[:, :, None, None] * inv_freq  # [B, S, 1, R/2]
+        c, s = jnp.cos(f) * scale, jnp.sin(f) * scale
     q = q.astype(jnp.float32)
     x1, x2, rest = q[..., :half], q[..., half:2 * half], q[..., 2 * half:]
     return jnp.concatenate([c * x1 - s * x2, c * x2 + s * x1, rest], axis=-1)
 
 
-def tile_attention(q: jax.Array, k: jax.Array, member: jax.Array, chunk: int) -> jax.Array:
-    """Non-causal attention inside tiles (Compactor): the block's members (member [B, S] bool, contiguous
-    positions) cut into `chunk`-token tiles from each row's first member; every member query attends to the
-    member keys of its tile, unscaled logits q.k (kvpress's `non_causal_chunked_attn`), softmax in fp32; each
-    key gets the sum it receives over its tile's queries, GQA-mean. q [B, S, Nq, D] post-RoPE, k [B, K, S, D]
-    -> [B, K, S] fp32 (0 for non-members). Unlike kvpress, a partial last tile is masked exactly (kvpress pads
-    it with zero queries, which then attend to every key, and pads keys with logit -1e-9 instead of -inf)."""
+def tile_attention(q: jax.Array, k: jax.Array, members: tuple[jax.Array, ...], chunk: int
+                   ) -> tuple[jax.Array, ...]:
+    """Non-causal attention inside tiles (Compactor): the block's members (each of `members` a [B, S] bool
+    mask of contiguous positions, each a subset of the first; tiles of `chunk` tokens from each row's first
+    member of the first mask, shared by all, so the logits are computed once); every member query attends to
+    the member keys of its tile, unscaled logits q.k (kvpress's `non_causal_chunked_attn`), softmax in fp32;
+    each key gets the sum it receives over its tile's queries, GQA-mean. q [B, S, Nq, D] post-RoPE,
+    k [B, K, S, D] -> one [B, K, S] fp32 per mask (0 for non-members). Unlike kvpress, a partial last tile
+    is masked exactly (kvpress pads it with zero queries, which then attend to every key, and pads keys with
+    logit -1e-9 instead of -inf). A subset mask tiles as it would on its own when it holds the first mask's
+    first member (else its tiles may start earlier than its own first member)."""
     b, s, nq, d = q.shape
     kh = k.shape[1]
     ce = min(chunk, s)  # a tile never needs more than the block
     s_pad = -(-s // ce) * ce
     nc = s_pad // ce
-    first = jnp.argmax(member, axis=1)  # [B] first member's index
+    first = jnp.argmax(members[0], axis=1)  # [B] first member's index
     idx = jnp.arange(s_pad)[None, :] + first[:, None]  # [B, S_pad] shifted so tiles start at the first member
     inside = idx < s
     idx = jnp.minimum(idx, s - 1)
-    m = jnp.take_along_axis(member, idx, axis=1) & inside  # [B, S_pad]
     qg = jnp.take_along_axis(q.astype(jnp.float32), idx[:, :, None, None], axis=1)  # [B, S_pad, Nq, D]
     kg = jnp.take_along_axis(jnp.swapaxes(k, 1, 2).astype(jnp.float32), idx[:, :, None, None], axis=1)
     qg = qg.reshape(b, nc, ce, kh, nq // kh, d)
     kg = kg.reshape(b, nc, ce, kh, d)
-    mt = m.reshape(b, nc, ce)
     dots = jnp.einsum("bnikgd,bnjkd->bnkgij", qg, kg)  # [B, nc, K, G, ce, ce]
-    dots = jnp.where(mt[:, :, None, None, None, :], dots, -1e30)
-    probs = jax.nn.softmax(dots, axis=-1) * mt[:, :, None, None, :, None]
-    col = jnp.mean(jnp.sum(probs, axis=-2), axis=3)  # [B, nc, K, ce]
-    col = jnp.moveaxis(col, 2, 1).reshape(b, kh, s_pad)  # shifted coordinates
     back = jnp.clip(jnp.arange(s)[None, :] - first[:, None], 0, s_pad - 1)  # [B, S]
-    out = jnp.take_along_axis(col, jnp.broadcast_to(back[:, None], (b, kh, s)), axis=-1)
-    return jnp.where(member[:, None, :], out, 0.0)
+    out = []
+    for member in members:
+        m = jnp.take_along_axis(member, idx, axis=1) & inside  # [B, S_pad]
+        mt = m.reshape(b, nc, ce)
+        probs = jax.nn.softmax(jnp.where(mt[:, :, None, None, None, :], dots, -1e30), axis=-1)
+        col = jnp.mean(jnp.sum(probs * mt[:, :, None, None, :, None], axis=-2), axis=3)  # [B, nc, K, ce]
+        col = jnp.moveaxis(col, 2, 1).reshape(b, kh, s_pad)  # shifted coordinates
+        got = jnp.take_along_axis(col, jnp.broadcast_to(back[:, None], (b, kh, s)), axis=-1)
+        out.append(jnp.where(member[:, None, :], got, 0.0))
+    return tuple(out)
 
 
 def compactor_tiles(v, weights, *, k, q_pos, rope, hyper, **_) -> jax.Array:
@@ -504,14 +515,13 @@ def compactor_tiles(v, weights, *, k, q_pos, rope, hyper, **_) -> jax.Array:
     past the first `sink_size_start` positions; the block's newest `sink_size_end` tokens (protected at this
     boundary) are left out of the others' tiles, as kvpress leaves the prompt's last tokens out, and get
     theirs from the same tiling with them in. v [B, K, S, D], k [B, K, S, D] post-RoPE -> [B, K, S] fp32."""
-    queries, inv_freq, scale, _ = rope
+    queries, inv_freq, scale, table = rope
     start, end, chunk = hyper["sink_size_start"], hyper["sink_size_end"], hyper["chunk_size"]
-    q = rotate(queries, q_pos, inv_freq, scale)
+    q = rotate(queries, q_pos, inv_freq, scale, table)
     last = jnp.max(q_pos, axis=1, keepdims=True)  # [B, 1]
     every = (q_pos >= 0) & (q_pos >= start)
-    core = every & (q_pos <= last - end)
-    a_core = tile_attention(q, k, core, chunk)
-    a_every = tile_attention(q, k, every, chunk)
+    core = every & (q_pos <= last - end)  # empty, or holding every's first member (positions contiguous)
+    a_every, a_core = tile_attention(q, k, (every, core), chunk)
     return jnp.where(core[:, None], a_core, a_every)
 
 
