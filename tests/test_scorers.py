@@ -551,8 +551,8 @@ def test_unrotate_inverts_the_models_rope(rope, scale):
     np.testing.assert_array_equal(np.asarray(fast), np.asarray(slow))
 
 
-@pytest.mark.parametrize("name", ["leverage", "compactor"])
-def test_rope_tables_change_nothing(name):
+@pytest.mark.parametrize("name, scan", [("leverage", False), ("leverage", True), ("compactor", False)])
+def test_rope_tables_change_nothing(name, scan):
     """The RoPE tables the programs build for `unrotate` (prefill, decode and the question block) give the
     same tokens and the same kept positions as computing cos and sin per call (the policy without the
     flag)."""
@@ -564,7 +564,7 @@ def test_rope_tables_change_nothing(name):
     plain = dataclasses.replace(policy, name=f"{name}-no-table", rope_table=False)
     hyper = dict(chunk_size=16) if name == "compactor" else {}
     runs = [vdjax.run(params, ids, pol, 20, block_size=8, max_new_tokens=6, min_new_tokens=6,
-                      question=[3, 4, 5], layer_scan=False, **hyper) for pol in (policy, plain)]
+                      question=[3, 4, 5], layer_scan=scan, **hyper) for pol in (policy, plain)]
     np.testing.assert_array_equal(runs[0].tokens, runs[1].tokens)
     for layer in range(cfg.num_layers):
         got, want = (r.cache.layers[layer].head_positions() for r in runs)
