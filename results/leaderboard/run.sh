@@ -11,9 +11,10 @@ VDJAX="${VDJAX:-.venv/bin/vdjax}"
 OUT="${OUT:-results/leaderboard}"
 export VDJAX_CACHE="${VDJAX_CACHE:-$HOME/.cache/vdjax-leaderboard}"
 BUDGET="${BUDGET:-512}"
-POLICIES="${POLICIES:-expected_attention adakv:expected_attention criticaladakv:expected_attention adakv:valuediff \
-adakv:keydiff criticaladakv:valuediff pyramidkv:snapkv pyramidkv:valuediff qfilter cur lagkv leverage \
-chunkkv:snapkv random compactor kvzip}"
+# Order (changed after adakv:expected_attention): the likeliest contenders and the moonshot's pieces first.
+POLICIES="${POLICIES:-expected_attention adakv:expected_attention adakv:valuediff compactor qfilter kvzip \
+leverage cur lagkv random chunkkv:snapkv pyramidkv:valuediff pyramidkv:snapkv adakv:keydiff \
+criticaladakv:valuediff criticaladakv:expected_attention}"
 MODELS="${MODELS:-smollm2-135m gemma3-270m}"
 for MODEL in $MODELS; do
   dir="$OUT/ruler/$MODEL/paper/L2048"
