@@ -2,8 +2,8 @@
 held-out RULER samples (seed 1, not the scored 42), every task, `--samples` a task, 2048 tokens, N=`--budget`,
 B=128, paper protocol, greedy, batch of one task's samples. Prints per model the score and % of dense of
 each, the paired difference design - reference with its bootstrap 95 % interval, and a per-task table; writes
-them to `--out`/screen.md. Predictions stay under `--out`/<model>/ (resumable; dense and the reference are
-run once for every design):
+them to `--out`/screen.md. Predictions stay under `--out`/ruler/<model>/ (resumable; dense and the reference
+are run once for every design):
 
     VDJAX_CACHE=~/.cache/vdjax-leaderboard nice -n 19 .venv/bin/python experiments/moonshot.py \
         --designs adakv:hybrid,chunkkv:valuediff_dir
@@ -39,7 +39,7 @@ def screen(model: str, designs: list[str], samples: int, budget: int, out: Path)
     params, tok = vdjax.load(model), vdjax.load_tokenizer(model)
     policies = ["dense", REFERENCE[model], *designs]
     path = evaluate(params, tok, "ruler", model_name=model, policies=policies, budgets=[budget], length=2048,
-                    num_samples=samples, seed=1, out_dir=out / model, block_size=128, batch_size=samples,
+                    num_samples=samples, seed=1, out_dir=out, block_size=128, batch_size=samples,
                     policy_kwargs={p: kwargs_for(p, model, budget) for p in policies if p != "dense"},
                     progress=False)
     scores: dict = {}
