@@ -125,10 +125,8 @@ def _candidates(bound: BoundPolicy, lc: LayerCache, k_new, v_new, probs, q_pos, 
         acc = acc + jnp.sum(jnp.mean(probs, axis=2) * valid_q, axis=2)
     extra, stats = {}, None
     if rope is not None:
-        queries, inv_freq, scale, table = rope
-        extra = dict(inv_freq=inv_freq, rope_scale=scale, rope_table=table)
-        if bound.policy.queries or bound.policy.query_stats:
-            extra.update(queries=queries)
+        queries, inv_freq, scale, table = rope  # queries: None unless the policy reads them
+        extra = dict(queries=queries, inv_freq=inv_freq, rope_scale=scale, rope_table=table)
         if bound.policy.query_stats:
             n_sink = dict(bound.hyper).get("n_sink", 0)
             stats = lc.stats.merge(QueryStats.of(queries, q_pos >= n_sink))

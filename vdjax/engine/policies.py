@@ -146,6 +146,11 @@ class Policy:
         return hyper if self.bind is None else self.bind(params, hyper, budget)
 
     @property
+    def reads_queries(self) -> bool:
+        """Whether the programs hand the score the block's pre-RoPE queries (`queries` or `query_stats`)."""
+        return self.queries or self.query_stats
+
+    @property
     def is_dense(self) -> bool:
         """True for the no-eviction baseline."""
         return self.score is None

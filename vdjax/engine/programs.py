@@ -45,7 +45,7 @@ def _layer(cfg, bound: BoundPolicy, kind: int, index, lw: dict, lc, x, q_pos, ta
     view = lc.view()  # a head-adaptive pool as [B, K, P, ...], each head seeing its own slots
     inv_freq = jnp.asarray(inv_freq)
     rule = cache_rule(bound)
-    if rule.evicts and (bound.policy.queries or bound.policy.query_stats):  # it reads pre-RoPE queries
+    if rule.evicts and bound.policy.reads_queries:  # the score reads the block's pre-RoPE queries
         x, k_new, v_new, probs, q_pre = tf.layer_forward(lw, x, q_pos, view.k, view.v, view.pos, cfg,
                                                          inv_freq, window, with_queries=True)
     else:
