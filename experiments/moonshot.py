@@ -10,6 +10,14 @@ are run once for every design):
 
 The hybrid's mix (its own and inside a design) is the one results/thesis-hybrid-ruler selected on RULER at the
 budget (`<model>-mix-N<budget>.json`), as the leaderboard's "hybrid (RULER-selected at N)" row.
+
+`--full` spends the full run on a design that passed the screen: the leaderboard's samples (seed 42, 10 a
+task, batch 10, the samples of results/thesis) into `--out`/full/ruler/<model>/, whose dense lines are copied
+from results/thesis as results/leaderboard/run.sh does; experiments/leaderboard_table.py reads them as rows
+"<design> (moonshot)":
+
+    VDJAX_CACHE=~/.cache/vdjax-leaderboard nice -n 10 .venv/bin/python experiments/moonshot.py \
+        --designs chunkkv:hybrid --full
 """
 
 import argparse
@@ -23,8 +31,10 @@ from vdjax.eval import ruler
 from vdjax.eval.runner import evaluate
 from vdjax.eval.summary_rows import paired_difference
 
+RESULTS = Path(__file__).resolve().parent.parent / "results"
 REFERENCE = {"smollm2-135m": "hybrid", "gemma3-270m": "valuediff_dir"}  # best paper policy at N = 512
-MIXES = Path(__file__).resolve().parent.parent / "results" / "thesis-hybrid-ruler"
+MIXES = RESULTS / "thesis-hybrid-ruler"
+RUN = "ruler/{model}/paper/L2048/predictions.jsonl"
 
 
 def kwargs_for(spec: str, model: str, budget: int) -> dict:
@@ -48,6 +58,22 @@ def screen(model: str, designs: list[str], samples: int, budget: int, out: Path)
         if r["policy"] in policies:
             scores.setdefault(r["policy"], {}).setdefault(r["task"], {})[r["sample_id"]] = r["score"]
     return scores
+
+
+def full_run(model: str, designs: list[str], budget: int, out: Path) -> Path:
+    """Run the designs on the leaderboard's samples (seed 42, 10 a task, batch 10) beside results/thesis's
+    dense lines (copied in once: the same samples, so every row pairs); returns the predictions file."""
+    path = out / RUN.format(model=model)
+    if not path.is_file() or path.stat().st_size == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        dense = [ln for ln in (RESULTS / "thesis" / RUN.format(model=model)).read_text().splitlines()
+                 if json.loads(ln)["policy"] == "dense"]
+        path.write_text("".join(ln + "\n" for ln in dense))
+    params, tok = vdjax.load(model), vdjax.load_tokenizer(model)
+    return evaluate(params, tok, "ruler", model_name=model, policies=["dense", *designs], budgets=[budget],
+                    length=2048, num_samples=10, seed=42, out_dir=out, block_size=128, batch_size=10,
+                    policy_kwargs={p: kwargs_for(p, model, budget) for p in designs}, progress=False,
+                    allow_mixed=True)
 
 
 def mean(by_task: dict) -> float:
@@ -83,8 +109,14 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=2)
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--out", default="results/leaderboard/moonshot")
+    ap.add_argument("--full", action="store_true",
+                    help="the full run (seed 42, 10 a task) into OUT/full, read by leaderboard_table.py")
     a = ap.parse_args()
     designs, out = a.designs.split(","), Path(a.out)
+    if a.full:
+        for model in a.models.split(","):
+            print(full_run(model, designs, a.budget, out / "full"), flush=True)
+        return
     lines = [f"# Moonshot screen: N = {a.budget}, RULER 2048, {a.samples} held-out samples a task", ""]
     for model in a.models.split(","):
         lines += report(model, screen(model, designs, a.samples, a.budget, out), designs)

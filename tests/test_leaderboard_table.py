@@ -23,6 +23,10 @@ DATA = {
                         # t3 lacks a sample: t3 leaves model-a's table
                         "expected_attention": {"t1": [1, 1, 1, 0], "t2": [1, 1, 0, 0], "t3": [1, 1, 1]},
                         "kvzip": {"t1": [1, 1, 1, 1]}},  # unfinished: no line for t2, t3
+        # a design of ours given the full run: its own row, beside its own copy of the dense lines
+        "leaderboard/moonshot/full": {"dense": {t: [1, 1, 1, 1] for t in TASKS},
+                                      "chunkkv:hybrid": {"t1": [1, 1, 1, 1], "t2": [1, 1, 1, 0],
+                                                         "t3": [1, 1, 1, 1]}},
     },
     "model-b": {
         "thesis": {"dense": {"t1": [1, 1, 1, 1], "t2": [1, 1, 1, 1], "t3": [1, 1, 0, 0]},
@@ -74,8 +78,12 @@ def test_tables(lt, root: Path):
     a = lt.build(root, "model-a", 512)
     rows = {r.label: r for r in a.rows}
     assert a.tasks == ["t1", "t2"] and a.dropped_tasks == ["t3"] and a.samples == 8
-    assert set(rows) == {"dense", "keydiff", lt.HYBRID, "expected_attention"}
-    assert [r.label for r in a.rows] == ["dense", "expected_attention", "keydiff", lt.HYBRID]  # by score
+    ours = "chunkkv:hybrid (moonshot)"
+    assert set(rows) == {"dense", "keydiff", lt.HYBRID, "expected_attention", ours}
+    by_score = ["dense", ours, "expected_attention", "keydiff", lt.HYBRID]
+    assert [r.label for r in a.rows] == by_score
+    assert rows[ours].retention == pytest.approx(87.5) and not rows[ours].paper
+    assert rows[ours].difference[0] == pytest.approx(50.0)
     assert rows["keydiff"].retention == pytest.approx(37.5)
     assert rows["expected_attention"].retention == pytest.approx(62.5)
     assert rows[lt.HYBRID].retention == pytest.approx(12.5) and rows[lt.HYBRID].paper
@@ -85,7 +93,7 @@ def test_tables(lt, root: Path):
     assert rows[lt.HYBRID].difference[0] == pytest.approx(-25.0)
     assert a.left_out == [("kvzip", 4)]
     assert rows["dense"].prefill == pytest.approx(2.0) and rows["dense"].decode == pytest.approx(0.5)
-    assert rows["dense"].lines == 12  # the leaderboard's dense copies are the same lines
+    assert rows["dense"].lines == 12  # the leaderboard's and the moonshot's dense copies are the same lines
     assert rows["expected_attention"].per_task == {"t1": pytest.approx(75.0), "t2": pytest.approx(50.0)}
 
     b = lt.build(root, "model-b", 512)
@@ -128,5 +136,7 @@ def test_signals(lt):
     assert lt.signal_of("pyramidkv:snapkv") == "attention"
     assert lt.signal_of("pyramidkv:valuediff") == "adaptive"
     assert lt.signal_of(lt.HYBRID) == "value geometry"
+    assert lt.signal_of("chunkkv:hybrid (moonshot)") == "value geometry"
+    assert lt.signal_of("chunkkv:snapkv") == "attention"
     with pytest.warns(UserWarning, match="no SIGNALS group"):
         assert lt.signal_of("no-such-policy-xyz") == lt.OTHER
