@@ -8,16 +8,16 @@ Per model and budget, one table of every row: the paper's policies (`results/the
 the hybrid "hybrid (RULER-selected at N)": `results/thesis-hybrid-budget` at N or, where that folder has no
 line at N = 512, `results/thesis-hybrid-ruler`, whose mix was selected at N = 512, as results/thesis/README.md
 says) and the new ones (`results/leaderboard`, still being filled; its dense lines are copies of the thesis's)
-and the moonshot's designs given a full run (`results/leaderboard/moonshot/full`, rows "<design> (moonshot)",
-see experiments/moonshot.py). A row that has no line yet for one of dense's tasks is unfinished: it is left
-out and listed with its line count. Of the rest, a task counts only where every row has all of dense's samples
-of it (as experiments/thesis_table.py does), so every column averages the same samples. Score = mean over
-those samples (0-100); % of dense = score / dense's score; the paired difference is from the best paper policy
-at that model and budget, in score points with a bootstrap 95 % interval, samples resampled within each task
-(`vdjax.eval.report.paired_difference`); prefill and decode are each line's `prefill_s` / `decode_s` (per
-batch) divided by its `batch`, averaged over the samples. Then the per-task scores of dense and the five best
-evicting rows, and (--figure) retention per policy coloured by the signal it reads (`SIGNALS`), one panel per
-model and budget.
+and the moonshot's designs given a full run (`results/leaderboard/moonshot/full/N<budget>`, rows "<design>
+(moonshot)", see experiments/moonshot.py). A row that has no line yet for one of dense's tasks is unfinished:
+it is left out and listed with its line count. Of the rest, a task counts only where every row has all of
+dense's samples of it (as experiments/thesis_table.py does), so every column averages the same samples. Score
+= mean over those samples (0-100); % of dense = score / dense's score; the paired difference is from the best
+paper policy at that model and budget, in score points with a bootstrap 95 % interval, samples resampled
+within each task (`vdjax.eval.report.paired_difference`); prefill and decode are each line's `prefill_s` /
+`decode_s` (per batch) divided by its `batch`, averaged over the samples. Then the per-task scores of dense
+and the five best evicting rows, and (--figure) retention per policy coloured by the signal it reads
+(`SIGNALS`), one panel per model and budget.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parent.parent / "results"
 RUN = Path("ruler/{model}/paper/L2048/predictions.jsonl")
 PAPER = "thesis"
 LEADERBOARD = "leaderboard"
-MOONSHOT = "leaderboard/moonshot/full"  # designs of ours on the leaderboard's samples
+MOONSHOT = "leaderboard/moonshot/full"  # designs of ours on the leaderboard's samples, N<budget>/ a budget
 HYBRID = "hybrid (RULER-selected at N)"
 HYBRID_FOLDERS = ("thesis-hybrid-budget", "thesis-hybrid-ruler")  # the second only at N = 512 (its mix's N)
 TOP = 5  # rows of the per-task table besides dense
@@ -132,7 +132,7 @@ def collect(root: Path, model: str, budget: int) -> dict[str, Source]:
             if label in rows and rows[label].paper:  # a paper policy rerun: its own row
                 label = f"{label} (leaderboard)"
             add(label, False, r)
-    for r in read_lines(root / MOONSHOT / path):
+    for r in (r for folder in sorted((root / MOONSHOT).glob("N*")) for r in read_lines(folder / path)):
         if r["policy"] == "dense":
             add("dense", False, r)
         elif r["budget"] == budget:

@@ -12,9 +12,9 @@ The hybrid's mix (its own and inside a design) is the one results/thesis-hybrid-
 budget (`<model>-mix-N<budget>.json`), as the leaderboard's "hybrid (RULER-selected at N)" row.
 
 `--full` spends the full run on a design that passed the screen: the leaderboard's samples (seed 42, 10 a
-task, batch 10, the samples of results/thesis) into `--out`/full/ruler/<model>/, whose dense lines are copied
-from results/thesis as results/leaderboard/run.sh does; experiments/leaderboard_table.py reads them as rows
-"<design> (moonshot)":
+task, batch 10, the samples of results/thesis) into `--out`/full/N<budget>/ruler/<model>/ (a folder per
+budget: the hybrid's mix differs), whose dense lines are copied from results/thesis as
+results/leaderboard/run.sh does; experiments/leaderboard_table.py reads them as rows "<design> (moonshot)":
 
     VDJAX_CACHE=~/.cache/vdjax-leaderboard nice -n 10 .venv/bin/python experiments/moonshot.py \
         --designs chunkkv:hybrid --full
@@ -115,7 +115,7 @@ def main() -> None:
     designs, out = a.designs.split(","), Path(a.out)
     if a.full:
         for model in a.models.split(","):
-            print(full_run(model, designs, a.budget, out / "full"), flush=True)
+            print(full_run(model, designs, a.budget, out / "full" / f"N{a.budget}"), flush=True)
         return
     lines = [f"# Moonshot screen: N = {a.budget}, RULER 2048, {a.samples} held-out samples a task", ""]
     for model in a.models.split(","):

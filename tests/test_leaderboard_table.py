@@ -24,7 +24,7 @@ DATA = {
                         "expected_attention": {"t1": [1, 1, 1, 0], "t2": [1, 1, 0, 0], "t3": [1, 1, 1]},
                         "kvzip": {"t1": [1, 1, 1, 1]}},  # unfinished: no line for t2, t3
         # a design of ours given the full run: its own row, beside its own copy of the dense lines
-        "leaderboard/moonshot/full": {"dense": {t: [1, 1, 1, 1] for t in TASKS},
+        "leaderboard/moonshot/full/N512": {"dense": {t: [1, 1, 1, 1] for t in TASKS},
                                       "chunkkv:hybrid": {"t1": [1, 1, 1, 1], "t2": [1, 1, 1, 0],
                                                          "t3": [1, 1, 1, 1]}},
     },
