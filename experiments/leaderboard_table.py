@@ -124,19 +124,17 @@ def collect(root: Path, model: str, budget: int) -> dict[str, Source]:
             add(HYBRID, True, r)
         if found:
             break
-    for r in read_lines(root / LEADERBOARD / path):
-        if r["policy"] == "dense":
-            add("dense", False, r)
-        elif r["budget"] == budget:
-            label = r["policy"]
-            if label in rows and rows[label].paper:  # a paper policy rerun: its own row
-                label = f"{label} (leaderboard)"
-            add(label, False, r)
-    for r in (r for folder in sorted((root / MOONSHOT).glob("N*")) for r in read_lines(folder / path)):
-        if r["policy"] == "dense":
-            add("dense", False, r)
-        elif r["budget"] == budget:
-            add(f"{r['policy']} (moonshot)", False, r)
+    new = [(root / LEADERBOARD / path, "")]  # (predictions file, row-label suffix)
+    new += [(folder / path, " (moonshot)") for folder in sorted((root / MOONSHOT).glob("N*"))]
+    for file, suffix in new:
+        for r in read_lines(file):
+            if r["policy"] == "dense":
+                add("dense", False, r)
+            elif r["budget"] == budget:
+                label = r["policy"] + suffix
+                if label in rows and rows[label].paper:  # a paper policy rerun: its own row
+                    label = f"{label} (leaderboard)"
+                add(label, False, r)
     return rows
 
 

@@ -110,7 +110,7 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--out", default="results/leaderboard/moonshot")
     ap.add_argument("--full", action="store_true",
-                    help="the full run (seed 42, 10 a task) into OUT/full, read by leaderboard_table.py")
+                    help="the full run (seed 42, 10 a task) into OUT/full/N<budget> (leaderboard_table.py)")
     a = ap.parse_args()
     designs, out = a.designs.split(","), Path(a.out)
     if a.full:
