@@ -23,6 +23,7 @@ from vdjax.engine.placement import Placed, place
 from vdjax.engine.policies import Policy
 from vdjax.engine.programs import decode_program, extend_program, forced_program, grow, prefill_program
 from vdjax.engine.sampling import check_sampling, is_row_keys
+from vdjax.engine.sharding import gather
 from vdjax.models.params import Params
 
 
@@ -130,12 +131,12 @@ def layer_slot_counts(cache: KVCache) -> tuple[int, ...]:
     return tuple(lc.pos.shape[-1] if isinstance(lc, LayerCache) else 0 for lc in cache.layers)
 
 
-def _stop_tokens(cfg, eos_token_id) -> tuple[jax.Array, jax.Array]:
+def _stop_tokens(cfg, eos_token_id) -> tuple[np.ndarray, np.int32]:
     """(EOS ids [E] int32: `eos_token_id`, else the model's; the pad id finished rows get)."""
     eos = cfg.eos_token_ids if eos_token_id is None else eos_token_id
     eos = np.atleast_1d(np.asarray(eos if eos is not None else [], np.int32)).reshape(-1)
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else (int(eos[0]) if eos.size else 0)
-    return jax.device_put(eos), jax.device_put(np.int32(pad))
+    return eos, np.int32(pad)
 
 
 def _keys(key, x: Placed):
@@ -151,7 +152,7 @@ def _keys(key, x: Placed):
     return key if not extra else jnp.concatenate([key, jnp.repeat(key[:1], extra, axis=0)])
 
 
-def _positions(p: Plan, more: int) -> int:
+def positions_bound(p: Plan, more: int) -> int:
     """The programs' static bound on positions (their RoPE tables, `programs.rope_tables`): the prompt's
     padded length plus `more`, bucketed so that nearby lengths share a program; 0 when the policy reads no
     table."""
@@ -169,9 +170,9 @@ def _append_question(x: Placed, p: Plan, cache: KVCache, q_ids: np.ndarray, extr
     q_pos = np.where(steps_q < q_len, x.host_lengths[:, None] + steps_q, -1)
     if cache_rule(p.bound).grows_for_question:
         cache = grow(cache, extra_q, p.scan)
-    cache, logits = extend_program(x.params, cache, jax.device_put(q_tokens),
-                                   jax.device_put(q_pos.astype(np.int32)), bound=p.bound, scan=p.scan,
-                                   positions=_positions(p, extra_q), **x.jit_kw)
+    cache, logits = extend_program(x.params, cache, x.put(q_tokens, rows=True),
+                                   x.put(q_pos.astype(np.int32), rows=True), bound=p.bound, scan=p.scan,
+                                   positions=positions_bound(p, extra_q), **x.jit_kw)
     return cache, logits
 
 
@@ -221,7 +222,8 @@ def run(
              **policy_kwargs)
     eos, pad = _stop_tokens(params.config, eos_token_id)
     x = place(params, p.tokens, p.lengths, mesh, p.scan)
-    key = _keys(key, x)
+    eos, pad = x.put(eos), x.put(pad)
+    key = x.put(_keys(key, x), rows=is_row_keys(key) if key is not None else False)
     params, lengths = x.params, x.lengths
     t0 = time.perf_counter()
     args, statics = _prefill_args(p, x)
@@ -230,18 +232,19 @@ def run(
         cache, logits = _append_question(x, p, cache, q_ids, extra_q)
         lengths = lengths + q_ids.shape[1]
     padded = {} if x.live is None else {"live": x.live}
-    args = (params, cache, logits, lengths, key, eos, pad, jax.device_put(np.int32(max_new)))
+    args = (params, cache, logits, lengths, key, eos, pad, x.put(np.int32(max_new)))
     kw = dict(bound=p.bound, max_out=max_out, temperature=float(temperature), top_k=int(top_k),
-              top_p=float(top_p), min_new=min_new, scan=p.scan, positions=_positions(p, max_out + extra_q),
+              top_p=float(top_p), min_new=min_new, scan=p.scan,
+              positions=positions_bound(p, max_out + extra_q),
               **x.jit_kw, **padded)
     behind = BACKGROUND.submit(decode_program, args, kw)  # compiles while the prefill runs
     logits.block_until_ready()
     t1 = time.perf_counter()
     behind.join()
     out, steps, cache = decode_program(*args, **kw)
-    out = np.asarray(out)
+    out = np.asarray(gather(out))
     t2 = time.perf_counter()
-    steps = int(steps)
+    steps = int(gather(steps))
     out, cache = x.real((out, unstack(params.config, cache, p.scan)))
     return Generation(out[:, :steps], cache, t1 - t0, t2 - t1, steps - 1, p.bound.name, p.bound.hyper,
                       p.bound.budget, layer_slot_counts(cache),
@@ -292,4 +295,4 @@ def continuation_logprobs(
     args, statics = _prefill_args(p, x)
     cache, logits = prefill_program(*args, **statics)
     return np.asarray(forced_program(x.params, cache, logits, x.lengths, jax.device_put(cont), bound=p.bound,
-                                     scan=p.scan, positions=_positions(p, cont.shape[1])))
+                                     scan=p.scan, positions=positions_bound(p, cont.shape[1])))

@@ -1,16 +1,31 @@
 """Placing one call's inputs: params sharded (and in scan form for the layer
-scan), rows padded to the mesh."""
+scan), rows padded to the mesh.
+
+Several processes (`jax.distributed`, a mesh whose devices span them): every process passes the same
+arguments; each host array becomes one global array (`jax.make_array_from_callback`: each process fills the
+shards of its own devices from its copy) and outputs come back to every process whole (`Placed.real`:
+`multihost_utils.process_allgather`), as local arrays, so nothing downstream changes."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from vdjax.engine.forms import _in_scan_form, scan_form
-from vdjax.engine.sharding import batch_sharding, check_mesh, shard_params
+from vdjax.engine.sharding import (
+    batch_sharding,
+    check_mesh,
+    gather,
+    global_array,
+    shard_params,
+    spans_processes,
+)
 from vdjax.models.params import Params
 
 
@@ -38,8 +53,25 @@ class Placed:
         extra = self.tokens.shape[0] - a.shape[0]
         return a if not extra else np.concatenate([a, np.repeat(a[:1], extra, axis=0)])
 
+    @property
+    def global_(self) -> bool:
+        """Whether the mesh spans several processes (its arrays are global, not all addressable here)."""
+        return self.mesh is not None and spans_processes(self.mesh)
+
+    def put(self, a, rows: bool = False):
+        """A host array (or a PRNG key) as the programs take it: on the device without a mesh or in one
+        process; with a mesh over several processes a global array, split over "data" when `rows` (per-row
+        data [B_pad, ...]), else replicated."""
+        if not self.global_:
+            return a if isinstance(a, jax.Array) else jax.device_put(a)
+        spec = P("data") if rows else P()
+        return global_array(a, NamedSharding(self.mesh, spec))
+
     def real(self, tree):
-        """The real rows [B, ...] of every array of a per-row pytree (a cache, logits, tokens)."""
+        """The real rows [B, ...] of every array of a per-row pytree (a cache, logits, tokens); over several
+        processes gathered whole onto every process first (local arrays)."""
+        if self.global_:
+            tree = jax.tree.map(gather, tree)
         if self.live is None:
             return tree
         return jax.tree.map(lambda x: x[: self.rows], tree)
@@ -67,6 +99,8 @@ def place(params: Params, tokens: np.ndarray, lengths: np.ndarray, mesh=None, sc
         tokens[b:, 0] = tokens[0, 0]
         lengths = np.concatenate([lengths, np.ones(extra, lengths.dtype)])
     rows = batch_sharding(mesh)
-    live = jax.device_put(np.arange(b + extra) < b, rows) if extra else None
+    put = functools.partial(global_array, sharding=rows) if spans_processes(mesh) else functools.partial(
+        jax.device_put, device=rows)
+    live = put(np.arange(b + extra) < b) if extra else None
     params = params if scan else shard_params(params, mesh)  # scan_form sharded them already
-    return Placed(params, jax.device_put(tokens, rows), jax.device_put(lengths, rows), lengths, b, live, mesh)
+    return Placed(params, put(tokens), put(lengths), lengths, b, live, mesh)

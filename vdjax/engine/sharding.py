@@ -56,6 +56,11 @@ def make_mesh(data: int | None = None, model: int = 1, devices: Sequence[Any] | 
     return Mesh(grid, AXES)
 
 
+def spans_processes(mesh: Mesh) -> bool:
+    """Whether the mesh holds devices of other processes (`jax.distributed`): its arrays are then global."""
+    return jax.process_count() > 1 and len({d.process_index for d in mesh.devices.flat}) > 1
+
+
 def check_mesh(mesh: Any) -> Mesh:
     """The mesh itself if it is a jax Mesh whose axes are exactly "data" and "model", else a ValueError."""
     if not isinstance(mesh, Mesh):
@@ -106,6 +111,8 @@ def shard_params(params, mesh: Mesh):
     wanted = jax.tree.leaves(shardings)
     if all(getattr(x, "sharding", None) == s for x, s in zip(leaves, wanted, strict=True)):
         return params
+    if spans_processes(mesh):  # every process holds the same weights: each fills its own devices' shards
+        return jax.tree.map(global_array, params, shardings)
     return jax.device_put(params, shardings)
 
 
@@ -150,3 +157,30 @@ def constrain_cache(cache, mesh: Mesh | None, stacked: bool = False):
     if mesh is None:
         return cache
     return jax.lax.with_sharding_constraint(cache, cache_sharding(cache, mesh, stacked))
+
+
+def global_array(a, sharding):
+    """One global array of `sharding` from the same host value `a` in every process (each fills its own
+    devices' shards); a PRNG key array goes as its key data and is wrapped again."""
+    if isinstance(a, jax.Array) and jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+        impl = jax.random.key_impl(a)
+        data = global_array(np.asarray(jax.random.key_data(a)), _trailing(sharding, a.ndim))
+        return jax.random.wrap_key_data(data, impl=impl)
+    host = np.asarray(a)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def _trailing(sharding, ndim: int):
+    """A key array's sharding for its key data (one more, replicated, trailing axis)."""
+    return NamedSharding(sharding.mesh, P(*sharding.spec, *([None] * (ndim + 1 - len(sharding.spec)))))
+
+
+def gather(x):
+    """A global array (or key array) whole on this process, as a local device array; others as they are."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return x
+    from jax.experimental import multihost_utils
+
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.random.wrap_key_data(gather(jax.random.key_data(x)), impl=jax.random.key_impl(x))
+    return jax.device_put(np.asarray(multihost_utils.process_allgather(x, tiled=True)))
