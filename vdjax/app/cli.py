@@ -223,11 +223,40 @@ def _add_analyze(sub) -> None:
     a.set_defaults(func=cmd_analyze)
 
 
+def _add_aot(sub) -> None:
+    """The `vdjax aot` subcommand."""
+    from vdjax.app.aot import cmd_aot
+
+    a = sub.add_parser("aot", help="compile prefill + decode for a TPU slice here (config only, weights "
+                                   "abstract): per-chip memory, fits or not, roofline time")
+    a.add_argument("--model", default="smollm2-135m",
+                   help="config.json folder, registered name or Hub id (only its config is read)")
+    a.add_argument("--revision", help="Hub revision of a Hub id")
+    a.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                   help="weight dtype (default: the config's, else bfloat16)")
+    a.add_argument("--topology", default="v5e:2x2",
+                   help="TPU slice: v5e:2x2, v6e:2x2, v5e:4x4 (16 chips, 4 hosts), v5p:2x2x1, v4:2x2x1, or "
+                        "v5e-1 / v6e-8 (chip count)")
+    a.add_argument("--mesh", type=_mesh_shape, metavar="DATAxMODEL",
+                   help="mesh of the slice's chips (default: 1 x all chips)")
+    a.add_argument("--length", type=_POSITIVE, default=8192, help="prompt tokens per row")
+    a.add_argument("--policy", default="valuediff")
+    a.add_argument("--budget", type=_POSITIVE, help="cache slots per KV head (not for dense)")
+    a.add_argument("--batch", type=_POSITIVE, default=1)
+    a.add_argument("--block-size", type=_POSITIVE, default=128)
+    a.add_argument("--new", type=_POSITIVE, default=256, help="tokens to decode")
+    a.add_argument("--policy-arg", type=_policy_arg, action="append", default=[], metavar="KEY=VALUE")
+    a.add_argument("--layer-scan", choices=("on", "off"), default="on",
+                   help="scan over layer groups (the TPU default) or unroll the layers")
+    a.add_argument("--json", metavar="OUT", help="write the report as JSON")
+    a.set_defaults(func=cmd_aot)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of every subcommand."""
     parser = _Parser(prog="vdjax", description="Bounded-memory LLM inference by KV-cache eviction.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for add in (_add_generate, _add_demo, _add_convert, _add_eval, _add_rescore, _add_analyze):
+    for add in (_add_generate, _add_demo, _add_convert, _add_eval, _add_rescore, _add_analyze, _add_aot):
         add(sub)
     return parser
 

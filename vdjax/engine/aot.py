@@ -95,7 +95,8 @@ def _chip_bytes(tree) -> int:
     total = 0
     for x in jax.tree.leaves(tree):
         shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
-        total += int(np.prod(shape)) * jnp.dtype(x.dtype).itemsize
+        size = 8 if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else jnp.dtype(x.dtype).itemsize
+        total += int(np.prod(shape)) * size
     return total
 
 
@@ -108,6 +109,29 @@ def memory(compiled) -> dict:
     out["peak_bytes_per_chip"] = (out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"]
                                   + out["temp_bytes"])
     return out
+
+
+_OOM = re.compile(r"total memory required for HLO (\w+) \(([\d.]+)([KMGT])\) exceeds available HBM "
+                  r"\(([\d.]+)([KMGT])\)")
+
+
+def _compile(lowered, arguments) -> tuple:
+    """(compiled, None), or (None, what XLA said) when XLA:TPU refuses a program too large for the chip's HBM:
+    then `peak_bytes_per_chip` is the total XLA named ("memory required for HLO temporaries", the live buffers
+    arguments included), `argument_bytes` the inputs' per-chip bytes counted from their shapes, output and
+    temp bytes unknown (None)."""
+    try:
+        return lowered.compile(), None
+    except Exception as e:
+        text = str(e)
+        m = _OOM.search(text)
+        if "RESOURCE_EXHAUSTED" not in text or not m:
+            raise
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+        return None, {"argument_bytes": _chip_bytes(arguments), "output_bytes": None, "alias_bytes": None,
+                      "temp_bytes": None, "peak_bytes_per_chip": int(float(m.group(2)) * scale[m.group(3)]),
+                      "available_bytes": int(float(m.group(4)) * scale[m.group(5)]),
+                      "error": m.group(0)}
 
 
 def xla_cost(compiled) -> dict:
@@ -165,9 +189,10 @@ def aot(cfg, *, topology_name: str = "v5e:2x2", mesh: tuple[int, int] | None = N
     lengths = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=rows_s)
     statics = dict(bound=p.bound, slots=p.slots, block=p.block, scan=p.scan, mesh=m)
     t0 = time.perf_counter()
-    pre = prefill_program.lower(params, tokens, lengths, **statics).compile()
+    lowered = prefill_program.lower(params, tokens, lengths, **statics)
+    pre, pre_oom = _compile(lowered, (params, tokens, lengths))
     pre_s = time.perf_counter() - t0
-    cache, logits = pre.out_info
+    cache, logits = lowered.out_info
     key = jax.eval_shape(lambda: jax.random.key(0))
     live = {} if rows == batch else {"live": jax.ShapeDtypeStruct((rows,), jnp.bool_, sharding=rows_s)}
     eos = cfg.eos_token_ids or (0,)
@@ -177,7 +202,7 @@ def aot(cfg, *, topology_name: str = "v5e:2x2", mesh: tuple[int, int] | None = N
     dkw = dict(bound=p.bound, max_out=max_out, temperature=0.0, top_k=0, top_p=1.0, min_new=0, scan=p.scan,
                positions=positions_bound(p, max_out), mesh=m, **live)
     t0 = time.perf_counter()
-    dec = decode_program.lower(*args, **dkw).compile()
+    dec, dec_oom = _compile(decode_program.lower(*args, **dkw), args)
     dec_s = time.perf_counter() - t0
 
     split = roofline.Split(rows // data, width, heads_split(cfg, m))
@@ -204,17 +229,22 @@ def aot(cfg, *, topology_name: str = "v5e:2x2", mesh: tuple[int, int] | None = N
     sf, sb = roofline.decode_work(cfg, weights, split, slots, weight_bytes=w_bytes, head_bytes=h_bytes,
                                   cache_bytes=c_bytes, shard=shard)
     programs = {
-        "prefill": {**memory(pre), "flops": pf, "bytes_accessed": pb, "compile_s": round(pre_s, 2),
-                    "roofline_s": roofline.roofline_s(pf, pb, chip), **xla_cost(pre)},
-        "decode": {**memory(dec), "flops": sf * new_tokens, "bytes_accessed": sb * new_tokens,
+        "prefill": {**(pre_oom or memory(pre)), "flops": pf, "bytes_accessed": pb,
+                    "compile_s": round(pre_s, 2),
+                    "roofline_s": roofline.roofline_s(pf, pb, chip), **({} if pre_oom else xla_cost(pre))},
+        "decode": {**(dec_oom or memory(dec)), "flops": sf * new_tokens, "bytes_accessed": sb * new_tokens,
                    "flops_per_step": sf, "bytes_per_step": sb, "compile_s": round(dec_s, 2),
                    "roofline_s": roofline.roofline_s(sf, sb, chip) * new_tokens,
-                   "roofline_s_per_step": roofline.roofline_s(sf, sb, chip), **xla_cost(dec)},
+                   "roofline_s_per_step": roofline.roofline_s(sf, sb, chip),
+                   **({} if dec_oom else xla_cost(dec))},
     }
     peak = max(v["peak_bytes_per_chip"] for v in programs.values())
-    fits = peak <= chip.hbm_bytes
+    fits = peak <= chip.hbm_bytes and not (pre_oom or dec_oom)
     verdict = (f"fits: {roofline.gib(peak)} GiB of {roofline.gib(chip.hbm_bytes)} GiB per chip" if fits else
                f"does not fit: {roofline.gib(peak)} GiB of {roofline.gib(chip.hbm_bytes)} GiB per chip")
+    if pre_oom or dec_oom:
+        said = "; ".join(o["error"] for o in (pre_oom, dec_oom) if o)
+        verdict += f" (XLA:TPU refused to compile: {said})"
     return {
         "topology": topology_name, "chips": len(used), "processes": len({d.process_index for d in used}),
         "mesh": [data, width], "model": model or cfg.family, "dtype": jnp.dtype(dtype).name,

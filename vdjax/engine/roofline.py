@@ -149,6 +149,11 @@ def decode_work(cfg, weights, split: Split, slots: tuple[int, ...], *, weight_by
     return split.rows * (2.0 * (mm + head) + lin + attn), weight_bytes + head_bytes + cache_bytes
 
 
-def gib(n: float) -> str:
-    """Bytes as GiB with one decimal ("19.3")."""
-    return f"{n / 2**30:.1f}" if math.isfinite(n) else "inf"
+def gib(n: float | None) -> str:
+    """Bytes as GiB with two significant decimals ("19.3", "0.012"); "?" for unknown."""
+    if n is None:
+        return "?"
+    if not math.isfinite(n):
+        return "inf"
+    g = n / 2**30
+    return f"{g:.1f}" if g >= 1 or g == 0 else f"{g:.2g}"

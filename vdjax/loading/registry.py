@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import json
 import os
 import re
 import tempfile
@@ -152,6 +153,35 @@ def resolve(name_or_path: str | os.PathLike, revision: str | None = None) -> Pat
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{name}.gguf-") as scratch:
         return gguf_to_hf(source.gguf(Path(scratch)), out)
+
+
+def read_config(name_or_path: str | os.PathLike, revision: str | None = None
+                ) -> tuple[dict, dict | None, str]:
+    """(config.json, generation_config.json or None, where they came from) of a folder, a registered name or a
+    Hub id, without its weights: a folder's files as they are, a Hub id's two files alone (the HF cache
+    first; `vdjax aot` needs nothing else), a registered name's converted folder."""
+    path = Path(name_or_path).expanduser()
+    name = str(name_or_path)
+    if not (path / "config.json").is_file() and name not in REGISTRY and is_hub_id(name):
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.errors import EntryNotFoundError
+
+        offline = _hub_offline()
+        try:
+            cfg = Path(hf_hub_download(name, "config.json", revision=revision, local_files_only=offline))
+        except Exception as e:
+            raise ValueError(f"Hub model {name!r}: config.json not found locally or online "
+                             f"({type(e).__name__}: {str(e)[:200]})") from None
+        try:
+            gen = Path(hf_hub_download(name, "generation_config.json", revision=revision,
+                                       local_files_only=offline))
+        except (EntryNotFoundError, OSError, ValueError):
+            gen = None
+        return (json.loads(cfg.read_text()), json.loads(gen.read_text()) if gen else None, name)
+    path = resolve(name_or_path, revision)
+    gen = path / "generation_config.json"
+    return (json.loads((path / "config.json").read_text()),
+            json.loads(gen.read_text()) if gen.is_file() else None, str(path))
 
 
 def load(name_or_path: str | os.PathLike, dtype: Any = None, revision: str | None = None) -> Params:
