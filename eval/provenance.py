@@ -7,9 +7,11 @@ switches such as `enable_thinking`) never mix silently with a resumed run's.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import hashlib
 import json
+import os
 import platform
 import subprocess
 from collections.abc import Mapping
@@ -133,3 +135,43 @@ def model_summary(params) -> dict:
     cfg = params.config
     return {k: getattr(cfg, k) for k in ("family", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                                          "hidden_size", "vocab_size") if hasattr(cfg, k)}
+
+
+# ---- run.json ---------------------------------------------------------------------------------------------
+def write_json(path: Path, obj: dict) -> None:
+    """Write JSON atomically (temporary file, then rename)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+
+
+def hyper_summary(spec) -> dict:
+    """run.json's hyper-parameters: {policy: hyper}, or {policy: {budget: hyper}} where they depend on it."""
+    out = {}
+    for pol, hyper in spec.policies:
+        ints = [] if pol.is_dense or spec.fractional else spec.budgets
+        by_budget = {str(b): dict(spec.hyper_at(pol, hyper, b)) for b in ints}
+        if len({json.dumps(h, sort_keys=True) for h in by_budget.values()}) > 1:
+            out[pol.name] = {"by_budget": by_budget}
+        else:
+            out[pol.name] = dict(spec.hyper_at(pol, hyper, ints[0] if ints else None))
+    return out
+
+
+def start_invocation(spec, meta_path: Path, built, params, prints: dict) -> dict:
+    """run.json with this invocation's settings appended; returns the whole document (written)."""
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    meta.update(spec.identity)
+    meta["invocations"] = meta.get("invocations", []) + [{
+        "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "tasks": spec.tasks, "num_samples": spec.num_samples,
+        "samples": {t: len(s) for t, s in built.items()},
+        "policies": [pol.name for pol, _ in spec.policies], "budgets": spec.budgets,
+        "hyper": hyper_summary(spec), "batch_size": spec.batch_size,
+        "draws": spec.draws, "template_kwargs": spec.template_kwargs,
+        "data_dir": None if spec.data_dir is None else str(spec.data_dir),
+        "model_config": model_summary(params),
+        "fingerprint": prints, "mesh": None if spec.mesh is None else dict(spec.mesh.shape), **environment(),
+    }]
+    write_json(meta_path, meta)
+    return meta

@@ -37,6 +37,7 @@ import importlib
 import inspect
 import json
 import os
+import tempfile
 import warnings
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -45,7 +46,8 @@ from types import ModuleType
 from typing import Any
 
 from vdjax.checks import check_int, check_name, unique_list
-from vdjax.eval.provenance import environment, fingerprint, git_commit, model_summary
+from vdjax.eval import shards
+from vdjax.eval.provenance import fingerprint, git_commit, start_invocation, write_json
 from vdjax.eval.records import METRIC_EXTRA, PredictionsFile, read_predictions, record_key
 from vdjax.eval.sample import PROTOCOLS, Sample, render_ids
 
@@ -456,45 +458,6 @@ def frozen_budgets(spec: Spec, meta: dict, dense_lengths: Sequence[int]) -> dict
 
 
 # ---- run.json ---------------------------------------------------------------------------------------------
-def _write_json(path: Path, obj: dict) -> None:
-    """Write JSON atomically (temporary file, then rename)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
-
-
-def _hyper_summary(spec: Spec) -> dict:
-    """run.json's hyper-parameters: {policy: hyper}, or {policy: {budget: hyper}} where they depend on it."""
-    out = {}
-    for pol, hyper in spec.policies:
-        ints = [] if pol.is_dense or spec.fractional else spec.budgets
-        by_budget = {str(b): dict(spec.hyper_at(pol, hyper, b)) for b in ints}
-        if len({json.dumps(h, sort_keys=True) for h in by_budget.values()}) > 1:
-            out[pol.name] = {"by_budget": by_budget}
-        else:
-            out[pol.name] = dict(spec.hyper_at(pol, hyper, ints[0] if ints else None))
-    return out
-
-
-def start_invocation(spec: Spec, meta_path: Path, built, params, prints: dict) -> dict:
-    """run.json with this invocation's settings appended; returns the whole document (written)."""
-    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
-    meta.update(spec.identity)
-    meta["invocations"] = meta.get("invocations", []) + [{
-        "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "tasks": spec.tasks, "num_samples": spec.num_samples,
-        "samples": {t: len(s) for t, s in built.items()},
-        "policies": [pol.name for pol, _ in spec.policies], "budgets": spec.budgets,
-        "hyper": _hyper_summary(spec), "batch_size": spec.batch_size,
-        "draws": spec.draws, "template_kwargs": spec.template_kwargs,
-        "data_dir": None if spec.data_dir is None else str(spec.data_dir),
-        "model_config": model_summary(params),
-        "fingerprint": prints, "mesh": None if spec.mesh is None else dict(spec.mesh.shape), **environment(),
-    }]
-    _write_json(meta_path, meta)
-    return meta
-
-
 # ---- the run ----------------------------------------------------------------------------------------------
 def evaluate(params, tokenizer, benchmark: str | ModuleType, *, model_name: str, policies: Sequence[str],
              budgets: Sequence[int] | Sequence[float] | None, length: int, num_samples: int,
@@ -504,7 +467,7 @@ def evaluate(params, tokenizer, benchmark: str | ModuleType, *, model_name: str,
              policy_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
              metrics: Mapping[str, Callable] | None = None, template_kwargs: Mapping[str, Any] | None = None,
              sampling: Mapping[str, float] | None = None, draws: int = 1, allow_mixed: bool = False,
-             progress: bool = True, mesh=None) -> Path:
+             progress: bool = True, mesh=None, shard=None) -> Path:
     """Run every (sample, policy, budget, draw) not yet in the run's predictions.jsonl; return its path.
 
     `benchmark`: a name of BENCHMARKS or a module (see the module docstring). `policies`: names (dense runs
@@ -516,7 +479,9 @@ def evaluate(params, tokenizer, benchmark: str | ModuleType, *, model_name: str,
     the chat template (`enable_thinking`, `reasoning_effort`). `sampling` / `draws`: see the module docstring.
     `allow_mixed` resumes onto lines of another fingerprint. `mesh` (a jax Mesh,
     `vdjax.engine.sharding.make_mesh`): params are sharded on it once and each
-    call's rows are split over "data".
+    call's rows are split over "data"; a mesh spanning `jax.distributed` processes runs every call on all of
+    them and process 0 writes the files. `shard` ("I/N", see `vdjax.eval.shards`): only the batches k with
+    k % N == I, into the shard's own files (`shards.merge` combines them).
     """
     spec = check_run(params, benchmark, model_name=model_name, policies=policies, budgets=budgets,
                      length=length, num_samples=num_samples, tasks=tasks, seed=seed, protocol=protocol,
@@ -527,18 +492,28 @@ def evaluate(params, tokenizer, benchmark: str | ModuleType, *, model_name: str,
         from vdjax.engine.sharding import shard_params
 
         params = shard_params(params, mesh)  # once: every call then finds its weights in place
+    shard = shards.resolve(shard, mesh)
+    if shard is not None and spec.fractional:
+        raise ValueError(f"shard={shard[0]}/{shard[1]}: fractional budgets need every sample's dense length; "
+                         "give slot budgets, or run without shards")
+    if not shards.writes(mesh):
+        out_dir = tempfile.mkdtemp(prefix="vdjax-eval-")  # the same lines as process 0's: only its land
     folder = run_dir(out_dir, spec.name, spec.model_name, spec.protocol, spec.length)
+    pred_name, meta_name = shards.names(shard)
     prints = fingerprint(params, tokenizer, spec.template_kwargs)
     stamp = {"commit": git_commit(), "fingerprint": prints["id"],
              "model_eos": tuple(int(e) for e in params.config.eos_token_ids or ())}
-    with PredictionsFile(folder / "predictions.jsonl") as out:
+    with PredictionsFile(folder / pred_name) as out:
         existing = read_predictions(out.path, repair=True)
         done = check_resume(spec, out.path, existing, prints["id"], allow_mixed)
         built = build_samples(spec, tokenizer)
         rendered = render_samples(spec, tokenizer, built, stamp["model_eos"])
-        meta_path = folder / "run.json"
+        meta_path = folder / meta_name
         meta = start_invocation(spec, meta_path, built, params, prints)
-        loop = _Loop(spec, params, tokenizer, built, rendered, stamp, out, done, progress)
+        loop = _Loop(spec, params, tokenizer, built, rendered, stamp, out, done, progress, shard)
+        if shard is not None:  # every batch's rows, in the run's order: what `shards.merge` orders lines by
+            meta |= {"shard": list(shard), "batches": loop.batch_keys()}
+            write_json(meta_path, meta)
         try:
             loop.run(spec.dense_configs() if spec.fractional else
                      spec.dense_configs() + spec.evicting_configs({b: None for b in spec.budgets}))
@@ -549,24 +524,24 @@ def evaluate(params, tokenizer, benchmark: str | ModuleType, *, model_name: str,
                 by_budget = frozen_budgets(spec, meta, [dense[s.task, s.id, d] for ss in built.values()
                                                         for s in ss for d in range(spec.draws)])
                 meta["invocations"][-1]["fraction_budgets"] = {str(f): b for b, f in by_budget.items()}
-                _write_json(meta_path, meta)
+                write_json(meta_path, meta)
                 loop.run(spec.evicting_configs(by_budget))
         finally:
             loop.close()
     meta["invocations"][-1]["finished"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-    _write_json(meta_path, meta)
+    write_json(meta_path, meta)
     return out.path
 
 
 class _Loop:
     """The generation loop of `evaluate`: calls grouped by task and batch, lines written as they come."""
 
-    def __init__(self, spec, params, tokenizer, built, rendered, stamp, out, done, progress):
+    def __init__(self, spec, params, tokenizer, built, rendered, stamp, out, done, progress, shard=None):
         from tqdm.auto import tqdm
 
         (self.spec, self.params, self.tokenizer, self.built,
          self.rendered) = spec, params, tokenizer, built, rendered
-        self.stamp, self.out, self.done, self.written = stamp, out, done, []
+        self.stamp, self.out, self.done, self.written, self.shard = stamp, out, done, [], shard
         self.rows = [(s, d) for ss in built.values() for s in ss for d in range(spec.draws)]
         self.bar = tqdm(total=0, desc=f"{spec.name} {spec.model_name} L{spec.length}", unit="gen",
                         disable=not progress, dynamic_ncols=True, mininterval=5)
@@ -574,24 +549,35 @@ class _Loop:
     def _key(self, s: Sample, draw: int, cfg: Config) -> tuple:
         return s.task, s.id, cfg.policy.name, cfg.budget, self.spec.protocol, draw
 
+    def batches(self) -> list[tuple[str, list]]:
+        """Every (task, rows) batch of the run, in order (a shard's included or not)."""
+        return [(task, rows) for task, samples in self.built.items()
+                for rows in batches(self.spec, samples, self.rendered)]
+
+    def batch_keys(self) -> list[list]:
+        """Each batch's rows as [task, sample id, draw]."""
+        return [[[s.task, s.id, d] for s, d in rows] for _, rows in self.batches()]
+
     def run(self, cfgs: list[Config]) -> None:
-        """Generate and write every (row, config) of `cfgs` not yet done, task by task, batch by batch."""
-        self.bar.total += len(self.rows) * len(cfgs)
-        self.bar.update(sum(self._key(s, d, c) in self.done for s, d in self.rows for c in cfgs))
-        for task, samples in self.built.items():
-            for rows in batches(self.spec, samples, self.rendered):
-                for cfg in cfgs:
-                    todo = [(s, d) for s, d in rows if self._key(s, d, cfg) not in self.done]
-                    if not todo:
-                        continue
-                    self.bar.set_postfix_str(f"{task} {cfg.policy.name} {cfg.budget or ''}".rstrip(),
-                                             refresh=False)
-                    for record in run_call(self.params, self.spec, cfg, todo, self.rendered, self.tokenizer,
-                                           self.stamp):
-                        self.out.append(record)
-                        self.written.append(record)
-                        self.done.add(record_key(record))
-                        self.bar.update(1)
+        """Generate and write every (row, config) of `cfgs` not yet done (of this shard's batches), task by
+        task, batch by batch."""
+        todo_batches = [(t, rows) for k, (t, rows) in enumerate(self.batches()) if shards.mine(self.shard, k)]
+        rows_all = [r for _, rows in todo_batches for r in rows]
+        self.bar.total += len(rows_all) * len(cfgs)
+        self.bar.update(sum(self._key(s, d, c) in self.done for s, d in rows_all for c in cfgs))
+        for task, rows in todo_batches:
+            for cfg in cfgs:
+                todo = [(s, d) for s, d in rows if self._key(s, d, cfg) not in self.done]
+                if not todo:
+                    continue
+                self.bar.set_postfix_str(f"{task} {cfg.policy.name} {cfg.budget or ''}".rstrip(),
+                                         refresh=False)
+                for record in run_call(self.params, self.spec, cfg, todo, self.rendered, self.tokenizer,
+                                       self.stamp):
+                    self.out.append(record)
+                    self.written.append(record)
+                    self.done.add(record_key(record))
+                    self.bar.update(1)
 
     def close(self) -> None:
         self.bar.close()

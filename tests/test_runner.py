@@ -864,3 +864,53 @@ def test_paired_difference_bootstrap_by_hand():
     assert summary_rows.paired_difference(a, {"other": {"0": 1.0}}) is None
     with pytest.raises(ValueError, match="level must lie in"):
         summary_rows.paired_difference(a, b, level=95)
+
+
+# ---- shards ------------------------------------------------------------------------------------------------
+TIMINGS = ("prefill_s", "decode_s", "compile_s")
+
+
+def _content(lines):
+    """Lines without their timings (which differ run to run)."""
+    return [{k: v for k, v in r.items() if k not in TIMINGS} for r in lines]
+
+
+def test_two_shards_merged_equal_one_run(tiny, reference, tmp_path):
+    """Batches k % 2 == 0 and == 1 in two shard files; merged, exactly the single run's lines in its order
+    (timings aside). A shard reruns as a resume; a missing shard and a duplicate line are named."""
+    from vdjax.eval import shards
+
+    out = tmp_path / "sharded"
+    for i in (1, 0):  # any order
+        path = _run(tiny, out, shard=f"{i}/2")
+        assert path.name == f"predictions.shard-{i}-of-2.jsonl"
+    folder = path.parent
+    sizes = [len(_lines(folder / f"predictions.shard-{i}-of-2.jsonl")) for i in (0, 1)]
+    assert sum(sizes) == len(_lines(reference)) and min(sizes) > 0
+    before = (folder / "predictions.shard-0-of-2.jsonl").read_text()
+    _run(tiny, out, shard="0/2")  # resumes: nothing left to do
+    assert (folder / "predictions.shard-0-of-2.jsonl").read_text() == before
+    merged = shards.merge(folder)
+    assert merged == folder / "predictions.jsonl"
+    assert _content(_lines(merged)) == _content(_lines(reference))
+    meta = json.loads((folder / "run.json").read_text())
+    assert meta["merged_from"] == ["predictions.shard-0-of-2.jsonl", "predictions.shard-1-of-2.jsonl"]
+    assert shards.merge(folder) == merged  # a merge may be redone as shards grow
+    (folder / "predictions.shard-1-of-2.jsonl").rename(folder / "aside.jsonl")
+    with pytest.raises(ValueError, match="shard\\(s\\) 1/2 missing"):
+        shards.merge(folder)
+    dup = (folder / "aside.jsonl").read_text() + before.splitlines(keepends=True)[0]
+    (folder / "predictions.shard-1-of-2.jsonl").write_text(dup)
+    with pytest.raises(ValueError, match="is in shard 0/2 and shard 1/2"):
+        shards.merge(folder)
+
+
+def test_shard_arguments_refused(tiny, tmp_path, capsys):
+    with pytest.raises(ValueError, match="shard='2/2': expected I/N with 0 <= I < N"):
+        _run(tiny, tmp_path, shard="2/2")
+    with pytest.raises(ValueError, match="fractional budgets need every sample's dense length"):
+        _run(tiny, tmp_path, budgets=[0.5], shard="0/2")
+    assert main(["eval", "merge", str(tmp_path / "nothing")]) == 2
+    assert "no predictions.shard-I-of-N.jsonl files to merge" in capsys.readouterr().err
+    assert main(["eval", "ruler", "--shard", "1/0"]) == 2
+    assert "argument --shard: shard='1/0'" in capsys.readouterr().err

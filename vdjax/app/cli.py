@@ -128,7 +128,9 @@ def _add_eval(sub) -> None:
     e = sub.add_parser(
         "eval", help="benchmark policies x budgets (RULER, LongBench, MATH-500), resumable",
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EVAL_NOTES)
-    e.add_argument("benchmark", choices=BENCHMARKS)
+    e.add_argument("benchmark", choices=(*BENCHMARKS, "merge"),
+                   help="a benchmark, or `merge RUN_FOLDER`: its --shard files into predictions.jsonl")
+    e.add_argument("folder", nargs="?", metavar="RUN_FOLDER", help="with merge: the run folder of the shards")
     _add_model_args(e)
     e.add_argument("--policies", type=_name_list,
                    help="comma list (default: dense and every registered policy the model is calibrated for)")
@@ -168,6 +170,10 @@ def _add_eval(sub) -> None:
                    help="add to a results file made with another checkpoint / tokenizer / chat template")
     e.add_argument("--mesh", type=_mesh_shape, metavar="DATAxMODEL",
                    help="device mesh, e.g. 4x1: each --batch-size batch split over 4 devices")
+    e.add_argument("--shard", metavar="I/N",
+                   help="run only batches k with k %% N == I into predictions.shard-I-of-N.jsonl (default "
+                        "under jax.distributed without a spanning mesh: this process's index / the process "
+                        "count); `vdjax eval merge RUN_FOLDER` combines them")
     e.set_defaults(func=cmd_eval)
 
 

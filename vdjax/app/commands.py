@@ -261,8 +261,33 @@ def _template_kwargs(args) -> dict:
     return out
 
 
+def _eval_merge(args) -> int:
+    """`vdjax eval merge RUN_FOLDER`: the shards' lines into predictions.jsonl, then its summary."""
+    from vdjax.eval.shards import merge
+
+    if args.folder is None:
+        raise UsageError("argument RUN_FOLDER: `vdjax eval merge` needs the run folder of the shard files")
+    try:
+        out = merge(args.folder)
+    except (ValueError, FileNotFoundError) as e:
+        raise UsageError(str(e)) from None
+    print(f"merged {sum(1 for _ in open(out, encoding='utf-8'))} lines into {out}")
+    return 0
+
+
 def cmd_eval(args) -> int:
     """Run a benchmark under every policy and budget (resumable), then write and print the summary tables."""
+    if args.benchmark == "merge":
+        return _eval_merge(args)
+    if args.folder is not None:
+        raise UsageError(f"argument RUN_FOLDER: only `vdjax eval merge` takes a folder, got {args.folder!r}")
+    if args.shard is not None:
+        from vdjax.eval.shards import parse_shard
+
+        try:
+            parse_shard(args.shard)
+        except ValueError as e:
+            raise UsageError(f"argument --shard: {e}") from None
     policies = _eval_policies(args) if args.policies else None
     module = _eval_module(args)
     length = _eval_length(args, module)
@@ -297,7 +322,7 @@ def cmd_eval(args) -> int:
                         num_samples=samples, seed=args.seed, out_dir=args.out, protocol=args.protocol,
                         block_size=args.block_size, batch_size=args.batch_size, data_dir=args.data_dir,
                         template_kwargs=template, sampling=sampling, draws=args.draws,
-                        allow_mixed=args.allow_mixed, mesh=mesh)
+                        allow_mixed=args.allow_mixed, mesh=mesh, shard=args.shard)
     except (ValueError, FileNotFoundError, RuntimeError) as e:  # another run's results, missing data, a lock
         raise UsageError(str(e)) from None
     summary = summarize(pred)
