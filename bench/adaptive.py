@@ -14,7 +14,7 @@ machine to go quiet. In it, all warm (the exact program ran once first; the time
 3. memory: `Generation.cache.nbytes()` of that decode's cache, and the worker's peak RSS (VmHWM: loading,
    every prefill length and the decode included).
 Every number also as a ratio to uniform valuediff measured in the same run (always measured, first). Prints
-one Markdown table and writes it to `--out` (default results/adaptive-bench.md), the raw numbers beside it
+one Markdown table and writes it to `--out` (default results/adaptive/bench.md), the raw numbers beside it
 (.json).
 """
 
@@ -199,7 +199,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-wait", type=float, default=120.0,
                     help="seconds to wait for other processes to go idle before each policy and retry")
     ap.add_argument("--quick", action="store_true", help="smoke run: 512-token prompts, 8 new tokens")
-    ap.add_argument("--out", default=str(HERE.parent / "results" / "adaptive-bench.md"))
+    ap.add_argument("--out", default=str(HERE.parent / "results" / "adaptive" / "bench.md"))
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--policy", help=argparse.SUPPRESS)
     ap.add_argument("--tokens", help=argparse.SUPPRESS)

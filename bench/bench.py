@@ -3,7 +3,7 @@
 
     VDJAX_CACHE=/tmp/vdcache .venv/bin/python bench/bench.py            # full run (~16-20 min on a quiet
     2-core box) .venv/bin/python bench/bench.py --quick                              # smoke run (small
-    lengths, ~5 min) .venv/bin/python bench/bench.py --lengths 1024,4096 --out results/x.md
+    lengths, ~5 min) .venv/bin/python bench/bench.py --lengths 1024,4096 --out /tmp/x.md
 
 A script, not a test: it prints Markdown tables (header, sections 1-6, targets with PASS/FAIL) and writes them
 to --out. Every vdjax prefill length runs in a fresh subprocess (its peak RSS is that length's alone); HF
@@ -389,7 +389,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="comma-separated TTFT lengths (default 4096,8192; --quick 512,1024)")
     ap.add_argument("--block", type=int, default=128)
     ap.add_argument("--budget", type=int, default=512)
-    ap.add_argument("--out", default=str(ROOT / "results" / "bench.md"))
+    ap.add_argument("--out", default=str(ROOT / "results" / "bench" / "bench.md"))
     ap.add_argument("--max-wait", type=float, default=120.0,
                     help="seconds to wait, before each timed section, for other processes to go idle")
     ap.add_argument("--ttft-reps", type=int, default=3,

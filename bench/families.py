@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """CPU prefill of the two sink-suppressed families on random weights small enough for this machine.
 
-    python bench/families.py                       # both sections, tables to stdout and results/families.md
+    python bench/families.py                       # both sections, tables to stdout and results/families/families.md
     python bench/families.py --section moe         # GPT-OSS-shaped: grouped dispatch vs every expert
     python bench/families.py --section linear      # Qwen3.5-shaped: prefill tok/s from 2k to 32k tokens
 
@@ -109,7 +109,7 @@ def main() -> int:
     ap.add_argument("--section", choices=("all", "moe", "linear"), default="all")
     ap.add_argument("--moe-length", type=int, default=2048)
     ap.add_argument("--lengths", default="2048,8192,32768", help="linear section's prompt lengths")
-    ap.add_argument("--out", default=str(ROOT / "results" / "families.md"))
+    ap.add_argument("--out", default=str(ROOT / "results" / "families" / "families.md"))
     a = ap.parse_args()
     import jax
 

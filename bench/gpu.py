@@ -212,7 +212,7 @@ def main() -> int:
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--tiny", action="store_true", help="a small model shape (for a CPU smoke run)")
     ap.add_argument("--allow-cpu", action="store_true", help="measure even where no GPU or TPU is visible")
-    ap.add_argument("--out", default="results/gpu.md")
+    ap.add_argument("--out", default="results/gpu/gpu.md")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--length", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--policy", help=argparse.SUPPRESS)

@@ -3,7 +3,7 @@
 prefill vs HF, decode vs its ceiling.
 
     VDJAX_CACHE=/tmp/vdcache .venv/bin/python bench/speed.py              # SmolLM2-135M fp32, ~8 min quiet
-    .venv/bin/python bench/speed.py --sections compile,decode --out results/speed.md
+    .venv/bin/python bench/speed.py --sections compile,decode --out results/speed/speed.md
 
 Sections (each a Markdown table, all measured in this one run, warm unless it says compile):
 1. compile: seconds to compile the prefill + decode programs of one new (policy, budget, length bucket), per
@@ -255,7 +255,7 @@ def main() -> int:
     ap.add_argument("--lengths", default="1024,2048,4096,8192")
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--budget", type=int, default=512)
-    ap.add_argument("--out", default=str(ROOT.parent / "results" / "speed.md"))
+    ap.add_argument("--out", default=str(ROOT.parent / "results" / "speed" / "speed.md"))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--policy", help=argparse.SUPPRESS)
     a = ap.parse_args()

@@ -2,7 +2,7 @@
 """vdjax vs kvpress (NVIDIA's PyTorch KV-cache compression library) on CPU: same checkpoint, same threads.
 
     VDJAX_CACHE=/tmp/vdcache .venv/bin/python bench/vs_kvpress.py        # 4k + 8k, five presses
-    .venv/bin/python bench/vs_kvpress.py --lengths 1024 --presses keydiff,streaming --out results/x.md
+    .venv/bin/python bench/vs_kvpress.py --lengths 1024 --presses keydiff,streaming --out /tmp/x.md
 
 For each kvpress press and its vdjax policy (KeyDiffPress/keydiff, KnormPress/keynorm,
 StreamingLLMPress/streaming, TOVAPress/tova, SnapKVPress/snapkv) and each prompt length T it measures the wall
@@ -12,7 +12,7 @@ time of compressing the prompt to N kept tokens (prefill + compression) and gene
 kvpress 0.5.5 needs transformers < 5.3, so it runs in its own virtual environment (--kvpress-python, default
 .venv-kvpress/bin/python), as a subprocess worker; the vdjax side runs in a worker of this interpreter. Both
 use fp32 weights of the same HF folder and torch.set_num_threads / XLA:CPU on the same cores. Prints a
-Markdown table and writes it to --out (default results/vs_kvpress.md) plus the raw numbers (.json). See
+Markdown table and writes it to --out (default results/vs_kvpress/vs_kvpress.md) plus the raw numbers (.json). See
 bench/README.md ("vs_kvpress.py") for the columns and the differences between the libraries.
 """
 
@@ -353,7 +353,7 @@ def parse_args(argv=None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
                     help="OMP_WAIT_POLICY for the torch worker unless already set in the environment "
                          "(default PASSIVE: torch's spinning OpenMP threads slow down many-fold when another "
                          "process holds a core; 'default' leaves the variable unset)")
-    ap.add_argument("--out", default=str(ROOT / "results" / "vs_kvpress.md"))
+    ap.add_argument("--out", default=str(ROOT / "results" / "vs_kvpress" / "vs_kvpress.md"))
     ap.add_argument("--worker", choices=["vdjax", "kvpress"], help=argparse.SUPPRESS)
     ap.add_argument("--tokens", help=argparse.SUPPRESS)
     ap.add_argument("--T", type=int, help=argparse.SUPPRESS)
