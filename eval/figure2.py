@@ -43,7 +43,7 @@ import numpy as np
 
 from vdjax.analysis import geometry as G
 from vdjax.eval import report
-from vdjax.eval.summary_rows import _task_mean, retention
+from vdjax.eval.summary_rows import retention, task_mean
 
 VALUE, KEY = "valuediff", "keydiff"
 
@@ -168,8 +168,8 @@ def paired_gap(by_cfg: dict[tuple, dict[str, dict[str, float]]], budget: int) ->
     def kept(t, s):
         return (t, s) in keep
 
-    d = _task_mean(dense, kept)
-    rv, rk = retention(_task_mean(vd, kept), d), retention(_task_mean(kd, kept), d)
+    d = task_mean(dense, kept)
+    rv, rk = retention(task_mean(vd, kept), d), retention(task_mean(kd, kept), d)
     gap = None if rv is None or rk is None else rv - rk
     return Gap(rv, rk, gap, tuple(sorted({t for t, _ in keep})), len(keep), d)
 

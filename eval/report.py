@@ -31,7 +31,7 @@ from vdjax.eval.records import read_predictions, record_key
 # The `X as X` names moved to summary_rows; they are re-exported for the callers of vdjax.eval.report.
 from vdjax.eval.summary_rows import ALL_TASKS as ALL_TASKS
 from vdjax.eval.summary_rows import MATH_METRICS as MATH_METRICS
-from vdjax.eval.summary_rows import Cell, MathRow, Row, _rows, math_rows
+from vdjax.eval.summary_rows import Cell, MathRow, Row, math_rows, table_rows
 from vdjax.eval.summary_rows import is_math as is_math
 from vdjax.eval.summary_rows import paired_difference as paired_difference
 from vdjax.eval.summary_rows import retention as retention
@@ -314,7 +314,7 @@ def summarize(pred_file_or_dir: str | os.PathLike) -> Summary:
     warnings: list[str] = []
     records, folder = load_records(pred_file_or_dir, warnings)
     settings = _settings(records, warnings)
-    rows, task_rows, policies = _rows(records)
+    rows, task_rows, policies = table_rows(records)
     maths = math_rows(records)
     markdown = _markdown(rows, task_rows, policies, settings, warnings, maths)
     md_path, csv_path, png_path = folder / "summary.md", folder / "summary.csv", folder / "retention.png"

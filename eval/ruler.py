@@ -47,7 +47,7 @@ from collections.abc import Callable
 
 from vdjax.analysis import data
 from vdjax.checks import check_int
-from vdjax.eval.ruler_sources import _cwe_words, _essay_sentence_ends, _essay_text, _key_words, _qa
+from vdjax.eval.ruler_sources import cwe_words, essay_sentence_ends, essay_text, key_words, qa_data
 from vdjax.eval.sample import Sample, token_counter
 
 TASKS = (
@@ -138,7 +138,7 @@ def _random_value(kind: str, rng: random.Random) -> str:
         return str(uuid.UUID(int=rng.getrandbits(128), version=4))
     # RULER draws from the sorted list of all f"{adj}-{noun}" pairs: the same uniform pair, without building
     # its 6.2M strings.
-    adjs, nouns = _key_words()
+    adjs, nouns = key_words()
     return f"{rng.choice(adjs)}-{rng.choice(nouns)}"
 
 
@@ -180,13 +180,13 @@ def _niah(task: str, seed: int, length: int, rng: random.Random):
         r = random.Random()
         r.setstate(state)
         if cfg["haystack"] == "essay":
-            ends = _essay_sentence_ends(n)
+            ends = essay_sentence_ends(n)
             cuts = [0] + sorted(int(len(ends) * (d / 100)) for d in depths) + [len(ends)]
             parts = []
             for i in range(1, len(cuts)):
                 a = 0 if cuts[i - 1] == 0 else ends[cuts[i - 1] - 1]
                 b = 0 if cuts[i] == 0 else ends[cuts[i] - 1]
-                parts.append(_essay_text(a, b) if b > a else "")
+                parts.append(essay_text(a, b) if b > a else "")
                 if i - 1 < len(needles):
                     parts.append(needles[i - 1])
             context, where = " ".join(parts), sorted(depths)
@@ -350,7 +350,7 @@ def _fwe(task: str, seed: int, length: int, rng: random.Random):
 
 def _qa_task(task: str, seed: int, length: int, rng: random.Random, index: int):
     """RULER qa.py: question `index` of the dataset, its gold document(s) among distractor documents."""
-    qas, docs = _qa(_QA[task])
+    qas, docs = qa_data(_QA[task])
     qa = qas[index]
     gold, more = list(qa["context"]), list(qa["more"])
     # Below len(gold) documents (HotpotQA's 10 paragraphs can take ~1-3k tokens; RULER never gets there), keep
@@ -495,8 +495,8 @@ def build(task: str, tokenizer, *, length: int, num_samples: int, seed: int = SE
     if family == "fwe" and (length - _TOKENS["fwe"]) // 50 < 4:
         raise ValueError(f"length={length} is too small for fwe: its vocabulary of (length - 50) // 50 coded "
                          f"words needs at least 4 (length >= 250)")
-    if family == "qa" and num_samples > len(_qa(_QA[task])[0]):
-        raise ValueError(f"num_samples={num_samples} exceeds the {len(_qa(_QA[task])[0])} questions of "
+    if family == "qa" and num_samples > len(qa_data(_QA[task])[0]):
+        raise ValueError(f"num_samples={num_samples} exceeds the {len(qa_data(_QA[task])[0])} questions of "
                          f"{_QA[task]} ({task})")
 
     master = random.Random(f"vdjax.ruler:{task}:{seed}")
@@ -505,7 +505,7 @@ def build(task: str, tokenizer, *, length: int, num_samples: int, seed: int = SE
         icl, _ = _vt_icl(master, count)
         extra_args = (icl,)
     elif family == "cwe":
-        words = list(_cwe_words())
+        words = list(cwe_words())
         random.Random(seed).shuffle(words)
         extra_args = (words,)
     maker = dict(niah=_niah, vt=_vt, cwe=_cwe, fwe=_fwe, qa=_qa_task)[family]

@@ -10,14 +10,14 @@ from vdjax.analysis import data
 
 
 @functools.cache
-def _key_words() -> tuple[tuple[str, ...], tuple[str, ...]]:
+def key_words() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(sorted unique adjectives, sorted unique nouns): niah's word keys are `f"{adj}-{noun}"`."""
     adjectives, nouns = data.words("adjectivelist.txt"), data.words("nounlist.txt")
     return tuple(sorted(set(adjectives))), tuple(sorted(set(nouns)))
 
 
 @functools.cache
-def _cwe_words() -> tuple[str, ...]:
+def cwe_words() -> tuple[str, ...]:
     """cwe's vocabulary: sorted(set(nouns + adjectives + verbs)) (shuffled per build seed, as RULER does)."""
     return tuple(sorted(set(data.words("nounlist.txt") + data.words("adjectivelist.txt")
                             + data.words("verblist.txt"))))
@@ -50,7 +50,7 @@ def _essay() -> tuple[tuple[str, ...], tuple[int, ...]]:
     return words, tuple(ends)
 
 
-def _essay_sentence_ends(n: int) -> list[int]:
+def essay_sentence_ends(n: int) -> list[int]:
     """Sentence ends (exclusive word indices) in the first `n` essay words (repeated past the essay's end)."""
     words, ends = _essay()
     if n <= len(words):
@@ -61,7 +61,7 @@ def _essay_sentence_ends(n: int) -> list[int]:
     return out + [n]
 
 
-def _essay_text(a: int, b: int) -> str:
+def essay_text(a: int, b: int) -> str:
     """Essay words [a, b) joined by single spaces (indices past the end wrap around, as RULER repeats it)."""
     words, _ = _essay()
     size, parts = len(words), []
@@ -74,7 +74,7 @@ def _essay_text(a: int, b: int) -> str:
 
 
 @functools.cache
-def _qa(dataset: str) -> tuple[tuple[dict, ...], tuple[str, ...]]:
+def qa_data(dataset: str) -> tuple[tuple[dict, ...], tuple[str, ...]]:
     """(questions, documents) of RULER's qa.py for 'squad' or 'hotpotqa', read once."""
     if dataset == "squad":
         squad = data.json_file("squad.json")

@@ -50,7 +50,7 @@ def _mean(values: Iterable[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def _task_mean(scores: dict[str, dict[str, float]], keep=None) -> float | None:
+def task_mean(scores: dict[str, dict[str, float]], keep=None) -> float | None:
     """Mean over tasks of each task's mean score (x100); `keep(task, sample_id)` filters the samples."""
     means = []
     for task, by_id in scores.items():
@@ -93,7 +93,7 @@ def _policy_order(names: Iterable[str]) -> list[str]:
     return [p for p in registered if p in names] + sorted(names - set(registered))
 
 
-def _rows(records: list[dict]) -> tuple[list[Row], list[Row], list[str]]:
+def table_rows(records: list[dict]) -> tuple[list[Row], list[Row], list[str]]:
     """Overall rows and per-task rows of every (benchmark, protocol, length, model)."""
     # scores[(group, model)][(policy, budget)][task][sample_id] = score
     scores: dict[tuple, dict[tuple, dict[str, dict[str, float]]]] = {}
@@ -136,7 +136,7 @@ def _row(gm: tuple, task: str, budget, dense_all: dict, by_cfg: dict, policies: 
     """One row: dense and every policy at `budget`, over all tasks or one."""
     dense = _select(dense_all, task)
     n_dense = sum(len(v) for v in dense.values())
-    dense_cell = Cell(_task_mean(dense), None, n_dense, n_dense)
+    dense_cell = Cell(task_mean(dense), None, n_dense, n_dense)
     cells = {}
     for p in policies:
         mine = _select(by_cfg.get((p, budget), {}), task)
@@ -147,8 +147,8 @@ def _row(gm: tuple, task: str, budget, dense_all: dict, by_cfg: dict, policies: 
             return sid in dense.get(t, {}) and sid in mine.get(t, {})
 
         n_paired = sum(1 for t, by_id in mine.items() for sid in by_id if paired(t, sid))
-        ret = retention(_task_mean(mine, paired), _task_mean(dense, paired)) if n_paired else None
-        cells[p] = Cell(_task_mean(mine), ret, sum(len(v) for v in mine.values()), n_paired)
+        ret = retention(task_mean(mine, paired), task_mean(dense, paired)) if n_paired else None
+        cells[p] = Cell(task_mean(mine), ret, sum(len(v) for v in mine.values()), n_paired)
     ranked = [p for p, c in cells.items() if c.retention is not None]
     key = (lambda p: cells[p].retention) if ranked else (lambda p: cells[p].score)
     ranked = ranked or list(cells)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from vdjax.app.args import _layer_scan
+from vdjax.app.args import layer_scan_of
 
 SCRIPT = """
 import sys
@@ -57,7 +57,7 @@ def test_generate_alone_changes_no_global_state(tmp_path):
                                                                                                 True),
                                                   ("off", True, False), ("on", True, True)])
 def test_layer_scan_flag(flag, one_shot, want):
-    assert _layer_scan(argparse.Namespace(layer_scan=flag), one_shot) is want
+    assert layer_scan_of(argparse.Namespace(layer_scan=flag), one_shot) is want
 
 
 def test_compile_split_keeps_a_background_compile_out_of_the_prefill_time():

@@ -53,6 +53,15 @@ def _type_checking(node: ast.If) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
+def _from_base(node: ast.ImportFrom, path: Path, module: str) -> str:
+    """The module a `from ... import` reads, relative imports resolved against `module`'s package."""
+    base = node.module or ""
+    if node.level:
+        pkg = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+        base = ".".join(pkg[: len(pkg) - node.level + 1] + ([base] if base else []))
+    return base
+
+
 def imports_of(path: Path, module: str) -> set[str]:
     """The library modules `path` imports, anywhere in the file (functions
     included, TYPE_CHECKING excluded)."""
@@ -66,10 +75,7 @@ def imports_of(path: Path, module: str) -> set[str]:
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:  # relative: resolve against this module's package
-                pkg = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
-                base = ".".join(pkg[: len(pkg) - node.level + 1] + ([base] if base else []))
+            base = _from_base(node, path, module)
             # `from pkg import mod` names a submodule when one exists
             names = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
         else:
@@ -153,3 +159,74 @@ def test_every_public_function_has_a_docstring():
                 if not ast.get_docstring(node):
                     missing.append(f"{module}.{node.name}")
     assert not missing, missing
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_uses(path: Path, module: str) -> list[str]:
+    """Where `path` (the library module `module`) reads another library module's underscore name:
+    `from M import _x`, `import M as m; m._x`, `from P import m; m._x` (dunder names are public).
+    Each as 'line N: M._x'."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    bound: dict[str, str] = {}  # local name -> library module (or package prefix) it is bound to
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.asname:
+                    bound[a.asname] = a.name
+                else:
+                    bound[a.name.split(".")[0]] = a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom):
+            base = _from_base(node, path, module)
+            for a in node.names:
+                full = f"{base}.{a.name}"
+                if full in MODULES:
+                    bound[a.asname or a.name] = full
+                elif base in MODULES and base != module and _private(a.name):
+                    found.append(f"line {node.lineno}: {base}.{a.name}")
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        chain, cur = [node.attr], node.value
+        while isinstance(cur, ast.Attribute):
+            chain.append(cur.attr)
+            cur = cur.value
+        if not isinstance(cur, ast.Name) or cur.id not in bound:
+            continue
+        target, *attrs = [bound[cur.id], *reversed(chain)]
+        while attrs and f"{target}.{attrs[0]}" in MODULES:  # a.b.c: walk down the submodules
+            target = f"{target}.{attrs.pop(0)}"
+        if attrs and target in MODULES and target != module and _private(attrs[0]):
+            found.append(f"line {node.lineno}: {target}.{attrs[0]}")
+    return sorted(set(found))  # m._x.y is read as both m._x.y and m._x: one line
+
+
+def test_the_private_name_reader_sees_each_form():
+    """The reader itself: `from M import _x`, `import M as m; m._x`, `from P import m; m._x`,
+    `import a.b; a.b._x` and a relative import are caught; dunders, public names, a module's own names and
+    modules outside the library are not (so the rule can fail)."""
+    src = ROOT / "tests" / "_private_probe.py"
+    src.write_text("import os\nimport vdjax.engine.scores\nfrom vdjax.app.args import UsageError, __doc__\n"
+                   "from vdjax.app.args import _hidden\nimport vdjax.engine.forms as F\n"
+                   "from vdjax.eval import summary_rows\nfrom .args import _rel\n"
+                   "from vdjax.app.cli import _own\n"
+                   "def f():\n    os._exit, F.scan_form, F.__name__\n"
+                   "    return F._scan.x, summary_rows._rows(), vdjax.engine.scores._INF\n")
+    try:
+        assert private_uses(src, "vdjax.app.cli") == [
+            "line 11: vdjax.engine.forms._scan", "line 11: vdjax.engine.scores._INF",
+            "line 11: vdjax.eval.summary_rows._rows", "line 4: vdjax.app.args._hidden",
+            "line 7: vdjax.app.args._rel"]
+    finally:
+        src.unlink()
+
+
+def test_no_library_module_reads_another_ones_private_names():
+    """What another library module uses is public: no `from M import _x` or `m._x` of another library
+    module's underscore name (dunder names allowed); tests and bench may still reach in."""
+    bad = [f"{MODULES[m].relative_to(ROOT)} {use}" for m in sorted(MODULES)
+           for use in private_uses(MODULES[m], m)]
+    assert not bad, "\n".join(bad)

@@ -137,15 +137,15 @@ def test_essay_sentences_and_needle_depths(built):
     words, ends = ruler_sources._essay()
     assert len(words) == 525449 and ends[:4] == (18, 22, 57, 96) and ends[-1] == len(words)
     assert " ".join(words[22:57]).count("mistakes.If") == 1  # no split inside a word, as punkt
-    assert ruler_sources._essay_sentence_ends(25) == [18, 22, 25]  # a cut sentence ends the prefix
+    assert ruler_sources.essay_sentence_ends(25) == [18, 22, 25]  # a cut sentence ends the prefix
     w = len(words)
-    assert ruler_sources._essay_sentence_ends(w + 30)[-4:] == [w, w + 18, w + 22, w + 30]  # the essay repeats
-    assert ruler_sources._essay_text(len(words) - 4, len(words) + 2) == "drafts of this. April 2012A"
+    assert ruler_sources.essay_sentence_ends(w + 30)[-4:] == [w, w + 18, w + 22, w + 30]  # the essay repeats
+    assert ruler_sources.essay_text(len(words) - 4, len(words) + 2) == "drafts of this. April 2012A"
     head = HEAD_MULTI.format(v="number")
     for task in ("niah_single_2", "niah_multivalue"):
         for s in built[task]:
             body = s.context[s.context.index("afterwards.\n") + len("afterwards.\n"):]
-            sentence_ends = ruler_sources._essay_sentence_ends(s.extra["haystack"])
+            sentence_ends = ruler_sources.essay_sentence_ends(s.extra["haystack"])
             needles = list(re.finditer(rf"One of the special magic numbers for .+? is: {NUMBER}\.", body))
             assert len(needles) == len(s.extra["depths"]) == len(s.answers)
             for j, (depth, m) in enumerate(zip(s.extra["depths"], needles, strict=True)):

@@ -17,13 +17,15 @@ class UsageError(Exception):
         self.prog = prog
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
+    """The CLI's ArgumentParser: a bad argument raises UsageError (one line, exit 2) instead of exiting."""
+
     def error(self, message):
         raise UsageError(message, self.prog)
 
 
 # ---- argument types ----------------------------------------------------------------------------------------
-def _int_at_least(minimum: int):
+def int_at_least(minimum: int):
     """argparse type: an integer >= minimum."""
 
     def parse(text: str) -> int:
@@ -38,10 +40,10 @@ def _int_at_least(minimum: int):
     return parse
 
 
-_POSITIVE = _int_at_least(1)
+POSITIVE = int_at_least(1)
 
 
-def _float_in(lo: float, hi: float, lo_open: bool = False):
+def float_in(lo: float, hi: float, lo_open: bool = False):
     """argparse type: a float in [lo, hi] (or (lo, hi] with lo_open)."""
 
     def parse(text: str) -> float:
@@ -58,7 +60,7 @@ def _float_in(lo: float, hi: float, lo_open: bool = False):
     return parse
 
 
-def _policy_arg(text: str) -> tuple[str, object]:
+def policy_arg(text: str) -> tuple[str, object]:
     """argparse type: key=value, the value read as a Python literal (else kept as a string)."""
     name, sep, raw = text.partition("=")
     if not sep or not name.isidentifier():
@@ -69,7 +71,7 @@ def _policy_arg(text: str) -> tuple[str, object]:
         return name, raw
 
 
-def _mesh_shape(text: str) -> tuple[int, int]:
+def mesh_shape(text: str) -> tuple[int, int]:
     """argparse type: device-mesh sizes DATAxMODEL, e.g. 2x4 (2-way batch split, 4-way head split)."""
     data, sep, model = text.lower().partition("x")
     try:
@@ -81,7 +83,7 @@ def _mesh_shape(text: str) -> tuple[int, int]:
     return sizes
 
 
-def _cli_mesh(shape):
+def cli_mesh(shape):
     """The jax Mesh of --mesh DATAxMODEL (None without it), or a UsageError when the devices do not fit."""
     if shape is None:
         return None
@@ -108,7 +110,7 @@ def check_policy(name: str, policy_args=(), argument: str = "--policy"):
     return policy
 
 
-def _resolve_model(name_or_path: str, revision: str | None = None) -> Path:
+def resolve_model(name_or_path: str, revision: str | None = None) -> Path:
     """The HF checkpoint folder of --model (converting a registered name on first use, a Hub id from
     the HF cache or downloaded)."""
     from vdjax.loading import registry
@@ -119,7 +121,7 @@ def _resolve_model(name_or_path: str, revision: str | None = None) -> Path:
         raise UsageError(f"argument --model: {e}") from None
 
 
-def _model_name(model: str, folder: Path) -> str:
+def results_model_name(model: str, folder: Path) -> str:
     """The results folder's model name: a registered name as is, a Hub id's
     repository name, else the folder's."""
     from vdjax.loading import registry
@@ -131,23 +133,23 @@ def _model_name(model: str, folder: Path) -> str:
     return Path(folder).resolve().name
 
 
-def _load(args):
+def load_model(args):
     """(params, tokenizer) of --model / --revision / --dtype, the compile cache turned on."""
-    folder = _resolve_model(args.model, getattr(args, "revision", None))
+    folder = resolve_model(args.model, getattr(args, "revision", None))
     compile_cache()
     import vdjax
 
     return vdjax.load(folder, getattr(args, "dtype", None)), vdjax.load_tokenizer(folder)
 
 
-def _layer_scan(args, one_shot: bool) -> bool | None:
+def layer_scan_of(args, one_shot: bool) -> bool | None:
     """The layer_scan argument of --layer-scan: auto = scan for a one-shot command (each program runs once, so
     compiling dominates), else the backend's default (`vdjax.engine.inputs.default_layer_scan`)."""
     return {"on": True, "off": False}.get(args.layer_scan, True if one_shot else None)
 
 
 # ---- eval --------------------------------------------------------------------------------------------------
-def _budget_list(text: str) -> list[int] | list[float]:
+def budget_list(text: str) -> list[int] | list[float]:
     """argparse type: comma-separated integers >= 1 (cache slots) or fractions in (0, 1), not mixed."""
     allowed = "integers >= 1 (cache slots) or fractions in (0, 1) (of the average dense generation length)"
     out = []
@@ -172,14 +174,14 @@ def _budget_list(text: str) -> list[int] | list[float]:
     return out
 
 
-def _length_arg(text: str) -> int | str:
+def length_arg(text: str) -> int | str:
     """argparse type: an integer >= 1, or `model` (taken from the model's context length)."""
     if text == "model":
         return text
-    return _int_at_least(1)(text)
+    return int_at_least(1)(text)
 
 
-def _name_list(text: str) -> list[str]:
+def name_list(text: str) -> list[str]:
     """argparse type: a non-empty comma-separated list of names."""
     out = [t.strip() for t in text.split(",") if t.strip()]
     if not out:

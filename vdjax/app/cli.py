@@ -16,16 +16,16 @@ import argparse
 import sys
 
 from vdjax.app.args import (
-    _POSITIVE,
+    POSITIVE,
+    Parser,
     UsageError,
-    _budget_list,
-    _float_in,
-    _int_at_least,
-    _length_arg,
-    _mesh_shape,
-    _name_list,
-    _Parser,
-    _policy_arg,
+    budget_list,
+    float_in,
+    int_at_least,
+    length_arg,
+    mesh_shape,
+    name_list,
+    policy_arg,
 )
 from vdjax.app.commands import cmd_analyze, cmd_convert, cmd_demo, cmd_eval, cmd_generate, cmd_rescore
 
@@ -65,15 +65,15 @@ def _add_generate(sub) -> None:
     g = sub.add_parser("generate", help="answer one prompt under a KV budget and print cache stats")
     _add_model_args(g)
     g.add_argument("--policy", default="valuediff", help="registered policy, optionally +sinksN / +recentN")
-    g.add_argument("--budget", type=_POSITIVE, help="cache slots per KV head (not needed for dense)")
-    g.add_argument("--block-size", type=_POSITIVE, default=128)
-    g.add_argument("--max-new-tokens", type=_POSITIVE, default=64)
-    g.add_argument("--temperature", type=_float_in(0, float("inf")), default=0.0, help="0 = greedy")
-    g.add_argument("--top-k", type=_int_at_least(0), default=0, help="0 = off")
-    g.add_argument("--top-p", type=_float_in(0, 1, lo_open=True), default=1.0)
+    g.add_argument("--budget", type=POSITIVE, help="cache slots per KV head (not needed for dense)")
+    g.add_argument("--block-size", type=POSITIVE, default=128)
+    g.add_argument("--max-new-tokens", type=POSITIVE, default=64)
+    g.add_argument("--temperature", type=float_in(0, float("inf")), default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int_at_least(0), default=0, help="0 = off")
+    g.add_argument("--top-p", type=float_in(0, 1, lo_open=True), default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-    g.add_argument("--mesh", type=_mesh_shape, metavar="DATAxMODEL",
+    g.add_argument("--mesh", type=mesh_shape, metavar="DATAxMODEL",
                    help="run on a device mesh, e.g. 2x4: batch over 2, attention heads / MLP over 4 devices")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the whole input (one user turn)")
@@ -86,7 +86,7 @@ def _add_generate(sub) -> None:
                         "context cut to budget first, the question appended whole")
     g.add_argument(
         "--policy-arg",
-        type=_policy_arg,
+        type=policy_arg,
         action="append",
         default=[],
         metavar="KEY=VALUE",
@@ -101,12 +101,12 @@ def _add_demo(sub) -> None:
     d = sub.add_parser("demo", help="the thesis in a minute: needles on both real models, their geometry, a "
                                     "verdict")
     d.add_argument("--model", help="one model only (default: smollm2-135m and gemma3-270m)")
-    d.add_argument("--length", type=_POSITIVE, default=1024, help="prompt length in tokens")
-    d.add_argument("--budget", type=_POSITIVE, help="default: a quarter of the prompt, a multiple of 64")
-    d.add_argument("--block-size", type=_POSITIVE, default=128)
+    d.add_argument("--length", type=POSITIVE, default=1024, help="prompt length in tokens")
+    d.add_argument("--budget", type=POSITIVE, help="default: a quarter of the prompt, a multiple of 64")
+    d.add_argument("--block-size", type=POSITIVE, default=128)
     d.add_argument("--policies", help="comma list (default: dense, streaming, keydiff, valuediff)")
     d.add_argument("--all", action="store_true", help="every registered policy")
-    d.add_argument("--max-new-tokens", type=_POSITIVE, default=12)
+    d.add_argument("--max-new-tokens", type=POSITIVE, default=12)
     d.add_argument("--seed", type=int, default=0)
     _add_layer_scan(d, "on (every program runs once: compiling dominates)")
     d.set_defaults(func=cmd_demo)
@@ -132,43 +132,43 @@ def _add_eval(sub) -> None:
                    help="a benchmark, or `merge RUN_FOLDER`: its --shard files into predictions.jsonl")
     e.add_argument("folder", nargs="?", metavar="RUN_FOLDER", help="with merge: the run folder of the shards")
     _add_model_args(e)
-    e.add_argument("--policies", type=_name_list,
+    e.add_argument("--policies", type=name_list,
                    help="comma list (default: dense and every registered policy the model is calibrated for)")
-    e.add_argument("--budgets", type=_budget_list,
+    e.add_argument("--budgets", type=budget_list,
                    help="comma list of cache budgets, e.g. 256,512, or of fractions of the average dense "
                         "generation length, e.g. 0.25,0.5 (dense runs first; MATH-500 protocol)")
-    e.add_argument("--length", type=_length_arg,
+    e.add_argument("--length", type=length_arg,
                    help="tokens: RULER's whole input (default 4096); LongBench's prompt after middle "
                         "truncation (no default: give it, or `model` = max_position_embeddings - 500, the "
                         "model2maxlen rule); MATH-500's dense max_new_tokens (default 16384)")
-    e.add_argument("--samples", type=_POSITIVE,
+    e.add_argument("--samples", type=POSITIVE,
                    help="samples per task (default: the benchmark's own, MATH-500's first 100 problems; "
                         "else 20)")
-    e.add_argument("--draws", type=_POSITIVE, default=1,
+    e.add_argument("--draws", type=POSITIVE, default=1,
                    help="generations per sample (MATH-500's k; needs sampling)")
     e.add_argument("--sampling", choices=("greedy", "model"), default="greedy",
                    help="greedy, or the checkpoint's generation_config.json sampling (temperature, top_p, "
                         "top_k)")
-    e.add_argument("--temperature", type=_float_in(0, float("inf")), help="overrides --sampling's")
-    e.add_argument("--top-p", type=_float_in(0, 1, lo_open=True), help="overrides --sampling's")
-    e.add_argument("--top-k", type=_int_at_least(0), help="overrides --sampling's")
+    e.add_argument("--temperature", type=float_in(0, float("inf")), help="overrides --sampling's")
+    e.add_argument("--top-p", type=float_in(0, 1, lo_open=True), help="overrides --sampling's")
+    e.add_argument("--top-k", type=int_at_least(0), help="overrides --sampling's")
     e.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=None,
                    help="chat-template switch (Qwen3 / Qwen3.5; the paper runs Qwen3.5 with "
                         "--no-enable-thinking)")
     e.add_argument("--reasoning-effort", choices=("low", "medium", "high"),
                    help="GPT-OSS harmony chat template (the paper runs high)")
-    e.add_argument("--template-arg", type=_policy_arg, action="append", default=[], metavar="KEY=VALUE",
+    e.add_argument("--template-arg", type=policy_arg, action="append", default=[], metavar="KEY=VALUE",
                    help="any other chat-template keyword (repeatable)")
     e.add_argument("--out", default="results", help="results folder (a rerun resumes what is there)")
-    e.add_argument("--tasks", type=_name_list, help="comma list (default: every task of the benchmark)")
+    e.add_argument("--tasks", type=name_list, help="comma list (default: every task of the benchmark)")
     e.add_argument("--protocol", choices=PROTOCOLS, default="paper")
-    e.add_argument("--block-size", type=_POSITIVE, default=128)
-    e.add_argument("--batch-size", type=_POSITIVE, default=1, help="samples per vdjax.run call")
+    e.add_argument("--block-size", type=POSITIVE, default=128)
+    e.add_argument("--batch-size", type=POSITIVE, default=1, help="samples per vdjax.run call")
     e.add_argument("--data-dir", help="benchmark data folder (LongBench, MATH-500)")
-    e.add_argument("--seed", type=_int_at_least(0), help="default: the benchmark's (RULER's 42), else 0")
+    e.add_argument("--seed", type=int_at_least(0), help="default: the benchmark's (RULER's 42), else 0")
     e.add_argument("--allow-mixed", action="store_true",
                    help="add to a results file made with another checkpoint / tokenizer / chat template")
-    e.add_argument("--mesh", type=_mesh_shape, metavar="DATAxMODEL",
+    e.add_argument("--mesh", type=mesh_shape, metavar="DATAxMODEL",
                    help="device mesh, e.g. 4x1: each --batch-size batch split over 4 devices")
     e.add_argument("--shard", metavar="I/N",
                    help="run only batches k with k %% N == I into predictions.shard-I-of-N.jsonl (default "
@@ -192,21 +192,21 @@ def _add_analyze(sub) -> None:
     a.add_argument("--prompts",
                    help="own calibration prompts: .jsonl ({\"text\": ...} per line) or .txt ('---' "
                         "separated); default: the built-in narrative/qa/code/math/retrieval set")
-    a.add_argument("--length", type=_POSITIVE, default=2048,
+    a.add_argument("--length", type=POSITIVE, default=2048,
                    help="tokens per prompt (capped at the model's limit)")
-    a.add_argument("--per-category", type=_POSITIVE, default=4, help="built-in prompts per category")
-    a.add_argument("--tau", type=_float_in(0, 1, lo_open=True), default=0.3, help="sink threshold")
-    a.add_argument("--topk", type=_int_at_least(0), default=256, help="Jaccard top-k (0 = skip Jaccard)")
-    a.add_argument("--n-queries", type=_int_at_least(2), default=128, help="Jaccard query positions")
-    a.add_argument("--jaccard-prompts", type=_int_at_least(0), default=8)
+    a.add_argument("--per-category", type=POSITIVE, default=4, help="built-in prompts per category")
+    a.add_argument("--tau", type=float_in(0, 1, lo_open=True), default=0.3, help="sink threshold")
+    a.add_argument("--topk", type=int_at_least(0), default=256, help="Jaccard top-k (0 = skip Jaccard)")
+    a.add_argument("--n-queries", type=int_at_least(2), default=128, help="Jaccard query positions")
+    a.add_argument("--jaccard-prompts", type=int_at_least(0), default=8)
     a.add_argument("--fit", action="store_true", help="also fit the hybrid mix with optax")
-    a.add_argument("--budget", type=_POSITIVE, default=256,
+    a.add_argument("--budget", type=POSITIVE, default=256,
                    help="cache budget N the fit and selection target; the mix is saved as N's (hybrid runs "
                         "at N use it) and as the default of budgets without one of their own")
-    a.add_argument("--block-size", type=_POSITIVE, default=128)
-    a.add_argument("--fit-prompts", type=_POSITIVE, default=4)
-    a.add_argument("--fit-steps", type=_POSITIVE, default=60)
-    a.add_argument("--select-probes", type=_int_at_least(0), default=8,
+    a.add_argument("--block-size", type=POSITIVE, default=128)
+    a.add_argument("--fit-prompts", type=POSITIVE, default=4)
+    a.add_argument("--fit-steps", type=POSITIVE, default=60)
+    a.add_argument("--select-probes", type=int_at_least(0), default=8,
                    help="after the per-layer fit, keep whichever of {fitted, geometry, valuediff, keydiff, "
                         "even} gives the lowest answer NLL on this many retrieval probes under eviction at "
                         "--budget (0: keep the per-layer fit; see --select-on)")
@@ -215,7 +215,7 @@ def _add_analyze(sub) -> None:
                         "probes; 'ruler' the mean score of --select-samples held-out RULER samples per task "
                         "(seed 1, qa left out; needs the eval extra; runs under "
                         "OUT/<model>/selection-N<budget>/)")
-    a.add_argument("--select-samples", type=_POSITIVE, default=2,
+    a.add_argument("--select-samples", type=POSITIVE, default=2,
                    help="held-out RULER samples per task for --select-on ruler")
     a.add_argument("--select-prior", choices=("geometry", "fitted", "valuediff", "keydiff", "even", "none"),
                    default="geometry",
@@ -243,15 +243,15 @@ def _add_aot(sub) -> None:
     a.add_argument("--topology", default="v5e:2x2",
                    help="TPU slice: v5e:2x2, v6e:2x2, v5e:4x4 (16 chips, 4 hosts), v5p:2x2x1, v4:2x2x1, or "
                         "v5e-1 / v6e-8 (chip count)")
-    a.add_argument("--mesh", type=_mesh_shape, metavar="DATAxMODEL",
+    a.add_argument("--mesh", type=mesh_shape, metavar="DATAxMODEL",
                    help="mesh of the slice's chips (default: 1 x all chips)")
-    a.add_argument("--length", type=_POSITIVE, default=8192, help="prompt tokens per row")
+    a.add_argument("--length", type=POSITIVE, default=8192, help="prompt tokens per row")
     a.add_argument("--policy", default="valuediff")
-    a.add_argument("--budget", type=_POSITIVE, help="cache slots per KV head (not for dense)")
-    a.add_argument("--batch", type=_POSITIVE, default=1)
-    a.add_argument("--block-size", type=_POSITIVE, default=128)
-    a.add_argument("--new", type=_POSITIVE, default=256, help="tokens to decode")
-    a.add_argument("--policy-arg", type=_policy_arg, action="append", default=[], metavar="KEY=VALUE")
+    a.add_argument("--budget", type=POSITIVE, help="cache slots per KV head (not for dense)")
+    a.add_argument("--batch", type=POSITIVE, default=1)
+    a.add_argument("--block-size", type=POSITIVE, default=128)
+    a.add_argument("--new", type=POSITIVE, default=256, help="tokens to decode")
+    a.add_argument("--policy-arg", type=policy_arg, action="append", default=[], metavar="KEY=VALUE")
     a.add_argument("--layer-scan", choices=("on", "off"), default="on",
                    help="scan over layer groups (the TPU default) or unroll the layers")
     a.add_argument("--json", metavar="OUT", help="write the report as JSON")
@@ -260,8 +260,8 @@ def _add_aot(sub) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of every subcommand."""
-    parser = _Parser(prog="vdjax", description="Bounded-memory LLM inference by KV-cache eviction.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = Parser(prog="vdjax", description="Bounded-memory LLM inference by KV-cache eviction.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     for add in (_add_generate, _add_demo, _add_convert, _add_eval, _add_rescore, _add_analyze, _add_aot):
         add(sub)
     return parser

@@ -9,12 +9,12 @@ from pathlib import Path
 
 from vdjax.app.args import (
     UsageError,
-    _cli_mesh,
-    _layer_scan,
-    _load,
-    _model_name,
-    _resolve_model,
     check_policy,
+    cli_mesh,
+    layer_scan_of,
+    load_model,
+    resolve_model,
+    results_model_name,
 )
 from vdjax.engine.timing import timed_run
 from vdjax.loading import compile_cache
@@ -68,9 +68,9 @@ def cmd_generate(args) -> int:
             f"argument --budget: policy {policy.name!r} needs --budget N (cache slots per head, "
             ">= 1); only 'dense' does not"
         )
-    mesh = _cli_mesh(args.mesh)
+    mesh = cli_mesh(args.mesh)
     _check_prompt_args(args)
-    params, tokenizer = _load(args)
+    params, tokenizer = load_model(args)
     ctx, q = _prompt_ids(args, tokenizer)
     agnostic = args.protocol == "question_agnostic" and bool(q)
     ids = ctx if agnostic else ctx + q
@@ -87,7 +87,7 @@ def cmd_generate(args) -> int:
         params, ids, policy, None if policy.is_dense else args.budget, block_size=args.block_size,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         key=jax.random.key(args.seed), mesh=mesh, question=q if agnostic else None,
-        layer_scan=_layer_scan(args, one_shot=True), **dict(args.policy_arg))
+        layer_scan=layer_scan_of(args, one_shot=True), **dict(args.policy_arg))
     print(_answer(tokenizer, gen.tokens[0]).strip())
     print()
     _print_run(args, params, gen, len(ctx) + len(q), (ttft, decode_s, compile_s), mesh)
@@ -137,11 +137,11 @@ def cmd_demo(args) -> int:
         check_policy(name, argument="--policies")
     models = [args.model] if args.model else list(demo.MODELS)
     for m in models:
-        _resolve_model(m)  # a missing package or folder is a usage error, before anything runs
+        resolve_model(m)  # a missing package or folder is a usage error, before anything runs
     compile_cache()
     policies = names or (default_policies() if args.all else list(demo.POLICIES))
     demo.run_demo(models, policies, length=args.length, block=args.block_size, max_new=args.max_new_tokens,
-                  seed=args.seed, budget=args.budget, layer_scan=_layer_scan(args, one_shot=True))
+                  seed=args.seed, budget=args.budget, layer_scan=layer_scan_of(args, one_shot=True))
     return 0
 
 
@@ -294,10 +294,10 @@ def cmd_eval(args) -> int:
     if args.draws > 1 and args.sampling == "greedy" and not args.temperature:
         raise UsageError(f"argument --draws: draws={args.draws} with greedy decoding repeats one generation; "
                          "add --sampling model or --temperature T")
-    mesh = _cli_mesh(args.mesh)
-    folder = _resolve_model(args.model)
+    mesh = cli_mesh(args.mesh)
+    folder = resolve_model(args.model)
     policies = policies or _eval_policies(args, folder)
-    model_name = _model_name(args.model, folder)
+    model_name = results_model_name(args.model, folder)
     cache = compile_cache()
 
     from rich.console import Console

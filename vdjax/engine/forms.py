@@ -39,12 +39,12 @@ def layer_weights(params: Params, scan: bool) -> tuple:
     """Inside a program: the layers' weight dicts in `loop_form`. Params from `scan_form` already hold them so
     (weights["layer_groups"]: read in place); plain params are stacked here, one copy of the layer weights
     per call of a scanned program."""
-    if _in_scan_form(params, scan):
+    if in_scan_form(params, scan):
         return params.weights["layer_groups"]
     return loop_form(params.config, params.weights["layers"], scan)
 
 
-def _in_scan_form(params: Params, scan: bool) -> bool:
+def in_scan_form(params: Params, scan: bool) -> bool:
     """Whether params hold their layers in `scan_form`; a clear error where the program unrolls them."""
     if "layer_groups" not in params.weights:
         return False
@@ -85,7 +85,7 @@ def scan_form(params: Params, mesh=None) -> Params:
     the L layers' weights in every call. The stacked copy lives as long as `params` does: one more copy of the
     layer weights at rest, the same peak (the programs held that copy while they ran).
     """
-    if _in_scan_form(params, True):
+    if in_scan_form(params, True):
         return params
     memo = SCAN_FORMS.of(params)
     if mesh in memo:

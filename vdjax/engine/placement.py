@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from vdjax.engine.forms import _in_scan_form, scan_form
+from vdjax.engine.forms import in_scan_form, scan_form
 from vdjax.engine.sharding import (
     batch_sharding,
     check_mesh,
@@ -87,7 +87,7 @@ def place(params: Params, tokens: np.ndarray, lengths: np.ndarray, mesh=None, sc
         params = scan_form(params,
                            mesh)  # kept on params: stacked (and sharded) once, not in every program call
     else:
-        _in_scan_form(params, False)  # unrolled programs refuse scan-form params before anything is sharded
+        in_scan_form(params, False)  # unrolled programs refuse scan-form params before anything is sharded
     if mesh is None:
         # device_put, not jnp.asarray: the latter compiles a small staging program per new shape
         return Placed(params, jax.device_put(tokens), jax.device_put(lengths), lengths, tokens.shape[0], None)

@@ -69,9 +69,8 @@ from vdjax.engine.mixes import bind_mix, calibrated, hybrid
 from vdjax.engine.qfilters import bind_qfilters, has_qfilters, qfilter
 from vdjax.engine.replay import bind_kvzip, replay_feature
 from vdjax.engine.scores import (
-    _INF,
+    INF,
     AttnInfo,
-    _recent,
     bind_snapkv,
     compactor,
     compactor_tiles,
@@ -86,6 +85,7 @@ from vdjax.engine.scores import (
     leverage,
     manifoldkv,
     random_scores,
+    recent_mask,
     snapkv,
     snapkv_kvpress,
     standardize,
@@ -329,7 +329,7 @@ class _ProtectSinks:
     n: int
 
     def __call__(self, k, v, attn, pos, **kw):
-        return jnp.where((pos >= 0) & (pos < self.n), _INF, self.base.score(k, v, attn, pos, **kw))
+        return jnp.where((pos >= 0) & (pos < self.n), INF, self.base.score(k, v, attn, pos, **kw))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,7 +338,7 @@ class _ProtectRecent:
     n: int
 
     def __call__(self, k, v, attn, pos, **kw):
-        return jnp.where(_recent(pos, attn, self.n), _INF, self.base.score(k, v, attn, pos, **kw))
+        return jnp.where(recent_mask(pos, attn, self.n), INF, self.base.score(k, v, attn, pos, **kw))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 _EPS = 1e-12
-_INF = jnp.inf
+INF = jnp.inf
 
 
 @flax.struct.dataclass
@@ -95,7 +95,7 @@ def _cos(x: jax.Array, anchor: jax.Array) -> jax.Array:
     return dot / jnp.maximum(_norm(x) * _norm(anchor), _EPS)
 
 
-def _recent(pos: jax.Array, attn: AttnInfo, window: int) -> jax.Array:
+def recent_mask(pos: jax.Array, attn: AttnInfo, window: int) -> jax.Array:
     """Candidates among the `window` most recent positions: [B, K, C] bool."""
     return pos > (attn.last_pos[:, None, None] - window)
 
@@ -137,7 +137,7 @@ def manifoldkv(k, v, attn, pos, **_):
 # ---- position / attention -------------------------------------------------------------------------------
 def streaming(k, v, attn, pos, *, n_sink: int = 4, **_):
     """StreamingLLM: the first `n_sink` positions, then the most recent ones."""
-    return jnp.where(pos < n_sink, _INF, pos.astype(jnp.float32))
+    return jnp.where(pos < n_sink, INF, pos.astype(jnp.float32))
 
 
 def tova(k, v, attn, pos, *, per_kv_head: bool = False, **_):
@@ -154,7 +154,7 @@ def _pool_by_position(scores: jax.Array, pos: jax.Array, kernel: int, pooling: s
     "max": max-pooling; "avg": sum over the window / kernel, padding counted (torch's avg_pool1d with
     padding=kernel//2, as SnapKV's and kvpress's code). Invalid candidates
     sort last and pool as padding. """
-    pad_value = -_INF if pooling == "max" else 0.0
+    pad_value = -INF if pooling == "max" else 0.0
     key = jnp.where(pos >= 0, pos, jnp.iinfo(jnp.int32).max)  # invalid last
     iota = jax.lax.broadcasted_iota(jnp.int32, pos.shape, pos.ndim - 1)
     # one stable sort carries the scores along (cheaper on CPU than argsort + gather)
@@ -163,7 +163,7 @@ def _pool_by_position(scores: jax.Array, pos: jax.Array, kernel: int, pooling: s
     pad = kernel // 2
     window = ((0, 0), (0, 0), (pad, kernel - 1 - pad))
     if pooling == "max":
-        pooled = jax.lax.reduce_window(sorted_scores, -_INF, jax.lax.max, (1, 1, kernel), (1, 1, 1), window)
+        pooled = jax.lax.reduce_window(sorted_scores, -INF, jax.lax.max, (1, 1, kernel), (1, 1, 1), window)
     else:
         pooled = jax.lax.reduce_window(sorted_scores, 0.0, jax.lax.add, (1, 1, kernel), (1, 1, 1), window)
         pooled = pooled / kernel
@@ -185,7 +185,7 @@ def snapkv(k, v, attn, pos, *, window: int = 32, kernel: int | None = None, pool
     in_window = (attn.q_pos >= 0) & (attn.q_pos > attn.last_pos[:, None] - window)  # [B, S]
     votes = jnp.sum(attn.probs * in_window[:, None, None, :, None], axis=3)  # [B, K, G, C]
     pooled = _pool_by_position(jnp.mean(votes, axis=2), pos, kernel, pooling)
-    return jnp.where(_recent(pos, attn, window), _INF, pooled)
+    return jnp.where(recent_mask(pos, attn, window), INF, pooled)
 
 
 def snapkv_kvpress(k, v, attn, pos, *, window_size: int = 64, kernel: int = 5, **_):
@@ -193,9 +193,9 @@ def snapkv_kvpress(k, v, attn, pos, *, window_size: int = 64, kernel: int = 5, *
     pooled (`kernel`, zero padding) over the candidates outside the window only; the window always kept."""
     in_window = (attn.q_pos >= 0) & (attn.q_pos > attn.last_pos[:, None] - window_size)  # [B, S]
     votes = jnp.sum(attn.probs * in_window[:, None, None, :, None], axis=3)  # [B, K, G, C]
-    recent = _recent(pos, attn, window_size)
+    recent = recent_mask(pos, attn, window_size)
     pooled = _pool_by_position(jnp.mean(votes, axis=2), jnp.where(recent, -1, pos), kernel, "avg")
-    return jnp.where(recent, _INF, pooled)
+    return jnp.where(recent, INF, pooled)
 
 
 def bind_snapkv(params, hyper, budget=None):
@@ -213,7 +213,7 @@ def h2o(k, v, attn, pos, *, slots: int, n_recent: int | None = None, **_):
     """H2O: accumulated attention (heavy hitters) plus the `n_recent` most recent tokens (default slots // 2:
     N // 2 on full-attention layers, min(N, W - 1) // 2 on sliding ones, whose caches are that small)."""
     recent = slots // 2 if n_recent is None else n_recent
-    return jnp.where(_recent(pos, attn, recent), _INF, attn.acc)
+    return jnp.where(recent_mask(pos, attn, recent), INF, attn.acc)
 
 
 def fastcaote(k, v, attn, pos, **_):
@@ -271,11 +271,11 @@ def expected_attention(k, v, attn, pos, *, n_future_positions: int = 512, n_sink
         # k^T Sigma k as one contraction (XLA:CPU: a third faster than k Sigma, then the product with k)
         logits = logits + jnp.einsum("bkcd,bkgde,bkce->bkgc", k32, cov.reshape(b, kh, g, d, d), k32) / d / 2
     scored = (pos >= n_sink)[:, :, None, :]  # [B, K, 1, C]
-    probs = jax.nn.softmax(jnp.where(scored, logits, -_INF), axis=-1)
+    probs = jax.nn.softmax(jnp.where(scored, logits, -INF), axis=-1)
     s = jnp.mean(jnp.where(scored, probs, 0.0), axis=2)
     if use_vnorm:
         s = (s + epsilon) * _norm(v)
-    return jnp.where((pos >= 0) & (pos < n_sink), _INF, s)
+    return jnp.where((pos >= 0) & (pos < n_sink), INF, s)
 
 
 def random_scores(k, v, attn, pos, *, seed: int = 0, **_):
@@ -314,7 +314,7 @@ def cur(k, v, attn, pos, *, num_sinks: int = 4, leverage_type: str = "kv_product
     v2 = _window_share(jnp.sum(v32 * v32, -1), pos, local_window_size)
     s = {"kv_product": k2 * v2, "kv_avg": (k2 + v2) / 2, "key": k2, "value": v2}[leverage_type]
     s = s / jnp.maximum(jnp.sum(jnp.where(pos >= 0, s, 0.0), axis=-1, keepdims=True), _EPS)
-    return jnp.where((pos >= 0) & (pos < num_sinks), _INF, s)
+    return jnp.where((pos >= 0) & (pos < num_sinks), INF, s)
 
 
 def _lag_head(x_k, x_v, part, scored, lag: int, cross_scoring: bool):
@@ -548,7 +548,7 @@ def compactor(k, v, attn, pos, *, slots: int, blending: float | None = None, sin
         blend = jnp.maximum(1.0 - slots / (last + 1).astype(jnp.float32), 0.0)
     else:
         blend = blending
-    return jnp.where(protected, _INF, blend * lev + _row_zscore(pooled, free))
+    return jnp.where(protected, INF, blend * lev + _row_zscore(pooled, free))
 
 
 def replay_attention(q_r, r_pos, k_r, cand_k, cand_pos, q_pos, *, n_sink: int = 4, window=None,
@@ -590,4 +590,4 @@ def kvzip(k, v, attn, pos, *, n_sink: int = 4, **_):
     if attn.feature is None:
         raise ValueError("kvzip reads its replay scores from attn.feature: run it through the engine (the "
                          "programs replay every block; Policy.replay)")
-    return jnp.where((pos >= 0) & (pos < n_sink), _INF, attn.feature)
+    return jnp.where((pos >= 0) & (pos < n_sink), INF, attn.feature)
