@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """CPU prefill of the two sink-suppressed families on random weights small enough for this machine.
 
-    python bench/families.py                       # both sections, tables to stdout and results/families/families.md
+    python bench/families.py                       # both sections: stdout and results/families/families.md
     python bench/families.py --section moe         # GPT-OSS-shaped: grouped dispatch vs every expert
     python bench/families.py --section linear      # Qwen3.5-shaped: prefill tok/s from 2k to 32k tokens
 

@@ -12,8 +12,8 @@ time of compressing the prompt to N kept tokens (prefill + compression) and gene
 kvpress 0.5.5 needs transformers < 5.3, so it runs in its own virtual environment (--kvpress-python, default
 .venv-kvpress/bin/python), as a subprocess worker; the vdjax side runs in a worker of this interpreter. Both
 use fp32 weights of the same HF folder and torch.set_num_threads / XLA:CPU on the same cores. Prints a
-Markdown table and writes it to --out (default results/vs_kvpress/vs_kvpress.md) plus the raw numbers (.json). See
-bench/README.md ("vs_kvpress.py") for the columns and the differences between the libraries.
+Markdown table and writes it to --out (default results/vs_kvpress/vs_kvpress.md) plus the raw numbers (.json).
+See bench/README.md ("vs_kvpress.py") for the columns and the differences between the libraries.
 """
 
 from __future__ import annotations
