@@ -53,14 +53,15 @@ from vdjax.eval.sample import PROTOCOLS, Sample, render_ids
 
 BENCHMARKS = ("ruler", "longbench", "math500")
 # a resumed run must agree with the file on these (other fields may change between runs: tasks, budgets, ...)
-RUN_FIELDS = ("benchmark", "model", "length", "seed", "protocol", "block_size", "sampling")
+RUN_FIELDS = ("benchmark", "model", "length", "seed", "protocol", "block_size", "sampling", "kv_quant",
+              "kv_group")
 # prefill_s / decode_s: wall time of the whole batch's call (`batch` rows), jit compilation taken out
 # (compile_s); prefill_s is the time to the first token.
 RECORD_FIELDS = (
     "benchmark", "task", "sample_id", "draw", "model", "length", "seed", "protocol", "sampling", "policy",
     "budget", "budget_fraction", "block_size", "hyper", "prediction", "answers", "score", "metric",
     "input_tokens", "new_tokens", "truncated", "prefill_s", "decode_s", "compile_s", "batch", "vdjax_commit",
-    "fingerprint", "layer_budgets",
+    "fingerprint", "layer_budgets", "kv_quant", "kv_group", "cache_bytes", "dense_cache_bytes",
 )
 SAMPLING_KEYS = ("temperature", "top_k", "top_p")
 
@@ -84,9 +85,12 @@ def load_benchmark(benchmark: str | ModuleType) -> tuple[str, ModuleType]:
     return name, module
 
 
-def run_dir(out_dir: str | os.PathLike, benchmark: str, model_name: str, protocol: str, length: int) -> Path:
-    """The folder of one run: out_dir/<benchmark>/<model_name>/<protocol>/L<length>."""
-    return Path(out_dir) / benchmark / model_name / protocol / f"L{length}"
+def run_dir(out_dir: str | os.PathLike, benchmark: str, model_name: str, protocol: str, length: int,
+            kv_quant: str | None = None, kv_group: int | None = None) -> Path:
+    """The folder of one run: out_dir/<benchmark>/<model_name>/<protocol>/L<length> (a quantized cache's:
+    L<length>-<kv_quant>-g<group>)."""
+    tail = "" if kv_quant is None else f"-{kv_quant}-g{kv_group}"
+    return Path(out_dir) / benchmark / model_name / protocol / f"L{length}{tail}"
 
 
 # ---- the run's settings -----------------------------------------------------------------------------------
@@ -124,6 +128,7 @@ class Spec:
     draws: int
     mesh: Any = None
     bind: Callable[[Any, tuple, int | None], tuple] = lambda pol, hyper, budget: hyper  # Policy.bind_hyper
+    kv: tuple = (None, None)  # (kv_quant, group): the cache's storage
 
     def hyper_at(self, pol, hyper: tuple, budget: int | None) -> tuple:
         """A policy's hyper-parameters bound to the model at `budget` (e.g. hybrid's mix saved for it)."""
@@ -133,7 +138,8 @@ class Spec:
     def identity(self) -> dict:
         """What every line of the run's file shares (RUN_FIELDS)."""
         return {"benchmark": self.name, "model": self.model_name, "length": self.length, "seed": self.seed,
-                "protocol": self.protocol, "block_size": self.block_size, "sampling": self.sampling}
+                "protocol": self.protocol, "block_size": self.block_size, "sampling": self.sampling,
+                "kv_quant": self.kv[0], "kv_group": self.kv[1]}
 
     @property
     def fractional(self) -> bool:
@@ -411,10 +417,12 @@ def run_call(params, spec: Spec, cfg: Config, rows: list[tuple[Sample, int]], re
         kw["min_new_tokens"] = rows[0][0].min_new_tokens
     if spec.sampling is not None:
         kw.update(spec.sampling, key=row_keys(spec.seed, rows))
+    kw.update({} if spec.kv[0] is None else dict(kv_quant=spec.kv[0], kv_group=spec.kv[1]))
     gen, prefill_s, decode_s, compile_s = timed_run(params, ids, cfg.policy, cfg.budget,
                                                     block_size=spec.block_size, max_new_tokens=max_new,
                                                     question=question, mesh=spec.mesh, **kw,
                                                     **dict(cfg.hyper))
+    per_row = gen.cache.dense_nbytes(1) // len(rows)  # one token's keys and values, unquantized
     for i, ((s, draw), r) in enumerate(zip(rows, rs, strict=False)):
         new, truncated = _truncate_new(gen.tokens[i], s.max_new_tokens, set(r.eos))
         prediction = tokenizer.decode(new, skip_special_tokens=True)
@@ -431,6 +439,8 @@ def run_call(params, spec: Spec, cfg: Config, rows: list[tuple[Sample, int]], re
             "prefill_s": prefill_s, "decode_s": decode_s, "compile_s": compile_s, "batch": len(rows),
             "vdjax_commit": stamp["commit"], "fingerprint": stamp["fingerprint"],
             "layer_budgets": None if gen.layer_budgets is None else list(gen.layer_budgets),
+            "cache_bytes": gen.cache_bytes // len(rows),
+            "dense_cache_bytes": per_row * (len(r.context) + len(r.question) + len(new) - 1),
         }
 
 
@@ -467,7 +477,8 @@ def evaluate(params, tokenizer, benchmark: str | ModuleType, *, model_name: str,
              policy_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
              metrics: Mapping[str, Callable] | None = None, template_kwargs: Mapping[str, Any] | None = None,
              sampling: Mapping[str, float] | None = None, draws: int = 1, allow_mixed: bool = False,
-             progress: bool = True, mesh=None, shard=None) -> Path:
+             progress: bool = True, mesh=None, shard=None, kv_quant: str | None = None,
+             kv_group: int | None = None) -> Path:
     """Run every (sample, policy, budget, draw) not yet in the run's predictions.jsonl; return its path.
 
     `benchmark`: a name of BENCHMARKS or a module (see the module docstring). `policies`: names (dense runs
@@ -481,13 +492,17 @@ def evaluate(params, tokenizer, benchmark: str | ModuleType, *, model_name: str,
     `vdjax.engine.sharding.make_mesh`): params are sharded on it once and each
     call's rows are split over "data"; a mesh spanning `jax.distributed` processes runs every call on all of
     them and process 0 writes the files. `shard` ("I/N", see `vdjax.eval.shards`): only the batches k with
-    k % N == I, into the shard's own files (`shards.merge` combines them).
-    """
+    k % N == I, into the shard's own files (`shards.merge` combines them). `kv_quant` / `kv_group`: the
+    cache's storage (`vdjax.run`), a folder of its own; lines hold cache_bytes, dense_cache_bytes per row."""
+    from vdjax.engine.inputs import kv_storage
+
+    storage = kv_storage(params.config, kv_quant, kv_group)
     spec = check_run(params, benchmark, model_name=model_name, policies=policies, budgets=budgets,
                      length=length, num_samples=num_samples, tasks=tasks, seed=seed, protocol=protocol,
                      block_size=block_size, batch_size=batch_size, data_dir=data_dir,
                      policy_kwargs=policy_kwargs, metrics=metrics, template_kwargs=template_kwargs,
                      sampling=sampling, draws=draws, mesh=mesh)
+    spec.kv = (kv_quant, None if storage is None else storage[1])
     if mesh is not None:
         from vdjax.engine.sharding import shard_params
 
@@ -498,7 +513,7 @@ def evaluate(params, tokenizer, benchmark: str | ModuleType, *, model_name: str,
                          "give slot budgets, or run without shards")
     if not shards.writes(mesh):
         out_dir = tempfile.mkdtemp(prefix="vdjax-eval-")  # the same lines as process 0's: only its land
-    folder = run_dir(out_dir, spec.name, spec.model_name, spec.protocol, spec.length)
+    folder = run_dir(out_dir, spec.name, spec.model_name, spec.protocol, spec.length, *spec.kv)
     pred_name, meta_name = shards.names(shard)
     prints = fingerprint(params, tokenizer, spec.template_kwargs)
     stamp = {"commit": git_commit(), "fingerprint": prints["id"],

@@ -10,8 +10,9 @@ import pytest
 # vdjax.generate turns the persistent compile cache on; the suite keeps JAX's process-wide setting off (a test
 # that wants it sets VDJAX_COMPILE_CACHE itself, e.g. in a subprocess)
 os.environ.setdefault("VDJAX_COMPILE_CACHE", "0")
-# The suite runs on the CPU. With libtpu installed (the test extra, for the AOT tests) JAX would otherwise try a TPU
-# backend at start-up in every worker: warnings, and libtpu's one-process lock (/tmp/libtpu_lockfile) taken.
+# The suite runs on the CPU. With libtpu installed (the test extra, for the AOT tests) JAX would otherwise
+# try a TPU backend at start-up in every worker: warnings, and libtpu's one-process lock
+# (/tmp/libtpu_lockfile) taken.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 

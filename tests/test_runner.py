@@ -914,3 +914,18 @@ def test_shard_arguments_refused(tiny, tmp_path, capsys):
     assert "no predictions.shard-I-of-N.jsonl files to merge" in capsys.readouterr().err
     assert main(["eval", "ruler", "--shard", "1/0"]) == 2
     assert "argument --shard: shard='1/0'" in capsys.readouterr().err
+
+
+def test_kv_quant_run_has_its_folder_and_bytes(tiny, tmp_path):
+    """A quantized cache's run: its own folder, kv_quant and kv_group on every line, the stored bytes below a
+    dense cache's of the same tokens; int4 stores less than int8."""
+    paths = {q: _run(tiny, tmp_path, policies=["valuediff"], budgets=[16], tasks=["alpha"], kv_quant=q)
+             for q in ("int8", "int4")}
+    assert paths["int8"].parent.name == "L85-int8-g8" and paths["int4"].parent.name == "L85-int4-g8"
+    lines = {q: _lines(p) for q, p in paths.items()}
+    for q, rows in lines.items():
+        assert len(rows) == 4 and all(r["kv_quant"] == q and r["kv_group"] == 8 for r in rows)
+        assert all(0 < r["cache_bytes"] < r["dense_cache_bytes"] for r in rows)
+    assert lines["int4"][0]["cache_bytes"] < lines["int8"][0]["cache_bytes"]
+    assert all(r.get("kv_quant") is None for r in _lines(_run(tiny, tmp_path, policies=["valuediff"],
+                                                              budgets=[16], tasks=["alpha"])))

@@ -39,6 +39,24 @@ def _add_model_args(p, default: str = "smollm2-135m") -> None:
                    help="weight dtype (default: float32 on CPU, the checkpoint's dtype on GPU/TPU)")
 
 
+def _add_kv_args(p) -> None:
+    """--kv-quant, --kv-group."""
+    p.add_argument("--kv-quant", choices=("int8", "int4"),
+                   help="store keys and values quantized (per-token groups, scales; int4 two per byte)")
+    p.add_argument("--kv-group", type=POSITIVE, help="channels per scale (default: the head dim)")
+
+
+def _fraction_list(text: str) -> list[float]:
+    """argparse type: comma list of fractions in (0, 1]."""
+    try:
+        out = [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        out = []
+    if not out or not all(0 < f <= 1 for f in out):
+        raise argparse.ArgumentTypeError(f"must be a comma list of fractions in (0, 1], got {text!r}")
+    return out
+
+
 def _add_layer_scan(p, auto: str) -> None:
     """--layer-scan auto|on|off; `auto` is documented per command."""
     p.add_argument("--layer-scan", choices=("auto", "on", "off"), default="auto",
@@ -92,6 +110,7 @@ def _add_generate(sub) -> None:
         metavar="KEY=VALUE",
         help="policy hyper-parameter, e.g. n_sink=8 (repeatable)",
     )
+    _add_kv_args(g)
     _add_layer_scan(g, "on (one prompt: compiling dominates)")
     g.set_defaults(func=cmd_generate)
 
@@ -170,6 +189,10 @@ def _add_eval(sub) -> None:
                    help="add to a results file made with another checkpoint / tokenizer / chat template")
     e.add_argument("--mesh", type=mesh_shape, metavar="DATAxMODEL",
                    help="device mesh, e.g. 4x1: each --batch-size batch split over 4 devices")
+    _add_kv_args(e)
+    e.add_argument("--budget-bytes", type=_fraction_list, metavar="F[,F...]",
+                   help="budgets as fractions of a dense bf16 cache's bytes at --length: N per --kv-quant so "
+                        "that rows of different precisions hold equal bytes (scales counted)")
     e.add_argument("--shard", metavar="I/N",
                    help="run only batches k with k %% N == I into predictions.shard-I-of-N.jsonl (default "
                         "under jax.distributed without a spanning mesh: this process's index / the process "

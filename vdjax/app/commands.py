@@ -87,11 +87,20 @@ def cmd_generate(args) -> int:
         params, ids, policy, None if policy.is_dense else args.budget, block_size=args.block_size,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         key=jax.random.key(args.seed), mesh=mesh, question=q if agnostic else None,
-        layer_scan=layer_scan_of(args, one_shot=True), **dict(args.policy_arg))
+        layer_scan=layer_scan_of(args, one_shot=True), **_kv_args(args), **dict(args.policy_arg))
     print(_answer(tokenizer, gen.tokens[0]).strip())
     print()
     _print_run(args, params, gen, len(ctx) + len(q), (ttft, decode_s, compile_s), mesh)
     return 0
+
+
+def _kv_args(args) -> dict:
+    """--kv-quant / --kv-group as `vdjax.run` keywords (none when unquantized)."""
+    if args.kv_quant is None:
+        if args.kv_group is not None:
+            raise UsageError("argument --kv-group: needs --kv-quant int8 or int4")
+        return {}
+    return {"kv_quant": args.kv_quant, "kv_group": args.kv_group}
 
 
 def _print_run(args, params, gen, prompt_len: int, times: tuple, mesh) -> None:
@@ -113,8 +122,9 @@ def _print_run(args, params, gen, prompt_len: int, times: tuple, mesh) -> None:
     )
     print(f"valid slots/head    min {lo}, max {hi} (over layers and KV heads; {seen} tokens seen)")
     print(
-        f"cache bytes         {_mib(gen.cache.nbytes())} vs {_mib(dense_bytes)} for a dense cache of "
-        f"{seen} tokens{'' if seen > n else ' (the sequence fits the budget: nothing was evicted)'}"
+        f"cache bytes         {_mib(gen.cache_bytes)} keys + values {gen.kv_quant or params.dtype.name}"
+        f" vs {_mib(dense_bytes)} for a dense {params.dtype.name} cache of {seen} tokens"
+        f"{'' if seen > n else ' (the sequence fits the budget: nothing was evicted)'}"
     )
     if mesh is not None:
         print(f"devices             {mesh.size} (data {mesh.shape['data']} x model {mesh.shape['model']})")
@@ -261,6 +271,20 @@ def _template_kwargs(args) -> dict:
     return out
 
 
+def _eval_budgets(args, params, length: int):
+    """--budgets, or --budget-bytes F: the slots N whose keys and values at --kv-quant fill F of a dense bf16
+    cache of --length tokens (`vdjax.engine.quant.slots_for_bytes`)."""
+    if args.budget_bytes is None:
+        return args.budgets or None
+    if args.budgets:
+        raise UsageError("argument --budget-bytes: give --budgets or --budget-bytes, not both")
+    from vdjax.engine.quant import slots_for_bytes
+
+    d = params.config.head_dim
+    group = (args.kv_group or d) if args.kv_quant else None
+    return [slots_for_bytes(f, length, d, args.kv_quant, group) for f in args.budget_bytes]
+
+
 def _eval_merge(args) -> int:
     """`vdjax eval merge RUN_FOLDER`: the shards' lines into predictions.jsonl, then its summary."""
     from vdjax.eval.shards import merge
@@ -318,7 +342,8 @@ def cmd_eval(args) -> int:
     wall = time.perf_counter()
     try:
         pred = evaluate(params, tokenizer, module, model_name=model_name, tasks=args.tasks,
-                        policies=[p.name for p in policies], budgets=args.budgets or None, length=length,
+                        policies=[p.name for p in policies], budgets=_eval_budgets(args, params, length),
+                        length=length, **_kv_args(args),
                         num_samples=samples, seed=args.seed, out_dir=args.out, protocol=args.protocol,
                         block_size=args.block_size, batch_size=args.batch_size, data_dir=args.data_dir,
                         template_kwargs=template, sampling=sampling, draws=args.draws,

@@ -116,6 +116,9 @@ class Generation:
     # per-head budget of each layer as evicted to (N, min(N, W - 1) on a sliding layer, PyramidKV's or the
     # sequence's N_l; 0: no KV cache); None for dense
     layer_budgets: tuple[int, ...] | None = None
+    kv_quant: str | None = None  # the cache's storage: None (the compute dtype), "int8", "int4"
+    cache_bytes: int = 0  # keys and values as stored (a quantized cache's codes + scales + zeros)
+    dense_cache_bytes: int = 0  # keys and values of every token seen, unquantized in the compute dtype
 
 
 def layer_budgets(cfg, bound, slots: int) -> tuple[int, ...] | None:
@@ -207,6 +210,12 @@ def run(
     to a multiple of its size with dummy rows, dropped again), heads / MLP width over "model". `layer_scan`:
     scan over layer groups (fewer programs to compile) instead of unrolling the layers; None picks
     `default_layer_scan()` (off on XLA:CPU, where it is slower, on for GPU/TPU).
+
+    `kv_quant="int8"` / `"int4"` (with `kv_group`, channels per scale; default the head dim): the cache
+    stores keys and values as codes with per-token, per-group scales and zeros (`engine.quant`; int4 two
+    codes a byte), quantized as each block's and each step's tokens are written and dequantized where
+    attention and the scores read them; the prefill then runs in blocks for every policy (dense too), each
+    attending to the cache as stored. `Generation.cache_bytes` counts what is stored.
     """
     max_new = check_int("max_new_tokens", max_new_tokens)
     min_new = check_int("min_new_tokens", min_new_tokens, 0)
@@ -246,9 +255,12 @@ def run(
     t2 = time.perf_counter()
     steps = int(gather(steps))
     out, cache = x.real((out, unstack(params.config, cache, p.scan)))
+    # tokens seen by the longest row (the last sampled one is never cached)
+    seen = int(p.lengths.max()) + (0 if q_ids is None else q_ids.shape[1]) + steps - 1
     return Generation(out[:, :steps], cache, t1 - t0, t2 - t1, steps - 1, p.bound.name, p.bound.hyper,
                       p.bound.budget, layer_slot_counts(cache),
-                      layer_budgets(params.config, p.bound, p.slots))
+                      layer_budgets(params.config, p.bound, p.slots), policy_kwargs.get("kv_quant"),
+                      cache.kv_nbytes(), cache.dense_nbytes(seen))
 
 
 def generate(
@@ -265,8 +277,9 @@ def generate(
     Keywords: attention_mask (left padding), temperature/top_k/top_p with an explicit `key` (one key, or one
     per row: `jax.random.split(key, batch)`), eos_token_id,
     min_new_tokens (EOS masked before), question (question-agnostic protocol, see `run`), mesh (several
-    devices, see `vdjax.sharding`), layer_scan (see `run`) and the policy's hyper-parameters
-    (e.g. n_sink=4 for streaming).
+    devices, see `vdjax.sharding`), layer_scan (see `run`), kv_quant ("int8" / "int4": keys and values
+    stored quantized, `kv_group` channels per scale, default the head dim; see `run`) and the policy's
+    hyper-parameters (e.g. n_sink=4 for streaming).
     """
     return run(params, ids, policy, budget, block_size, max_new_tokens, **kwargs).tokens
 

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vdjax.engine import quant as kvq
 from vdjax.models.deltanet import LinearState
 
 
@@ -90,23 +91,47 @@ class LayerCache:
         return self.pos >= 0
 
     @classmethod
-    def empty(cls, batch: int, kv_heads: int, slots: int, head_dim: int, dtype, pooled: bool = False
-              ) -> LayerCache:
-        """`slots` empty slots per head, or (`pooled`) one pool of kv_heads * slots slots."""
-        if pooled:
-            shape = (batch, 1, kv_heads * slots)
-            return cls(k=jnp.zeros(shape + (head_dim,), dtype), v=jnp.zeros(shape + (head_dim,), dtype),
-                       pos=jnp.full(shape, -1, jnp.int32), acc=jnp.zeros(shape, jnp.float32),
-                       head=jnp.full(shape, -1, jnp.int32), kv_heads=kv_heads)
-        shape = (batch, kv_heads, slots)
-        return cls(k=jnp.zeros(shape + (head_dim,), dtype), v=jnp.zeros(shape + (head_dim,), dtype),
-                   pos=jnp.full(shape, -1, jnp.int32), acc=jnp.zeros(shape, jnp.float32))
+    def empty(cls, batch: int, kv_heads: int, slots: int, head_dim: int, dtype, pooled: bool = False,
+              quant: tuple[int, int] | None = None) -> LayerCache:
+        """`slots` empty slots per head, or (`pooled`) one pool of kv_heads * slots slots; `quant` (bits,
+        group): keys and values stored as `quant.QuantTensor`s (codes + per-group scales), never in
+        `dtype`."""
+        shape = (batch, 1, kv_heads * slots) if pooled else (batch, kv_heads, slots)
+
+        def kv():
+            if quant is None:
+                return jnp.zeros(shape + (head_dim,), dtype)
+            return kvq.empty(shape + (head_dim,), quant[0], quant[1], dtype)
+
+        return cls(k=kv(), v=kv(), pos=jnp.full(shape, -1, jnp.int32), acc=jnp.zeros(shape, jnp.float32),
+                   head=jnp.full(shape, -1, jnp.int32) if pooled else None,
+                   kv_heads=kv_heads if pooled else 0)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether keys and values are stored quantized (`quant.QuantTensor`)."""
+        return isinstance(self.k, kvq.QuantTensor)
+
+    def dense(self) -> LayerCache:
+        """The cache as attention and scores read it: a quantized cache's keys and values dequantized (in
+        their logical dtype); the cache itself otherwise."""
+        if not self.quantized:
+            return self
+        return self.replace(k=kvq.dequantize(self.k), v=kvq.dequantize(self.v))
+
+    def kv_nbytes(self) -> int:
+        """Bytes of the stored keys and values (a quantized cache's codes + scales + zeros)."""
+        return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
+                   for a in jax.tree.leaves((self.k, self.v)))
 
     def view(self) -> LayerCache:
         """The per-head layout attention and scores read: a pool's k, v, acc broadcast to [B, K, P, ...] and
-        pos [B, K, P] with the other heads' slots shown empty (-1); the cache itself when not pooled."""
+        pos [B, K, P] with the other heads' slots shown empty (-1); the cache itself when not pooled (a
+        quantized cache's keys and values dequantized first)."""
         if not self.pooled:
             return self
+        if self.quantized:
+            return self.dense().view()
         b, _, p = self.pos.shape
         kh = self.kv_heads
         mine = self.head == jnp.arange(kh, dtype=jnp.int32)[None, :, None]  # [B, K, P]
@@ -153,12 +178,12 @@ class KVCache:
 
     @classmethod
     def for_model(cls, cfg, batch: int, slots, dtype, pooled: bool = False, stats: bool = False,
-                  feat: bool = False) -> KVCache:
+                  feat: bool = False, quant: tuple[int, int] | None = None) -> KVCache:
         """An empty cache for a model config: `slots[i]` slots per head on each attention layer (`pooled`: one
         pool of K * slots[i] slots shared by the K heads; `stats`: empty `QueryStats` carried; `feat`: a
         per-token feature slot), a zero state on each Gated DeltaNet layer."""
         def attention(i):
-            lc = LayerCache.empty(batch, cfg.num_kv_heads, slots[i], cfg.head_dim, dtype, pooled)
+            lc = LayerCache.empty(batch, cfg.num_kv_heads, slots[i], cfg.head_dim, dtype, pooled, quant)
             if stats:
                 lc = lc.replace(stats=QueryStats.empty(batch, cfg.num_heads, cfg.head_dim))
             return lc.replace(feat=jnp.zeros_like(lc.acc)) if feat else lc
@@ -198,7 +223,7 @@ class KVCache:
         n = self.budget
         parts = []
         for c in self._kv():
-            a = getattr(c, name)
+            a = getattr(c.dense(), name)
             pad = [(0, 0)] * a.ndim
             pad[2] = (0, n - a.shape[2])
             parts.append(jnp.pad(a, pad, constant_values=fill))
@@ -237,10 +262,20 @@ class KVCache:
         """Bytes held by the cache arrays (DeltaNet states included)."""
         return sum(x.nbytes for x in jax.tree.leaves(self.layers))
 
-    def dense_nbytes(self, tokens: int) -> int:
-        """Bytes a dense cache of `tokens` tokens would hold: keys and values of every attention layer."""
-        return int(sum((c.k.nbytes + c.v.nbytes) / c.pos.shape[-1] * max(c.kv_heads, 1) for c in self._kv())
-                   * tokens)
+    def kv_nbytes(self) -> int:
+        """Bytes of the stored keys and values of every attention layer (quantized: codes + scales)."""
+        return sum(c.kv_nbytes() for c in self._kv())
+
+    def dense_nbytes(self, tokens: int, dtype=None) -> int:
+        """Bytes a dense cache of `tokens` tokens would hold: keys and values of every attention layer in
+        `dtype` (None: the cache's compute dtype)."""
+        total = 0
+        for c in self._kv():
+            *_, d = c.k.shape
+            heads = max(c.kv_heads, 1) if c.pooled else c.pos.shape[1]
+            size = jnp.dtype(dtype or c.k.dtype).itemsize
+            total += 2 * c.pos.shape[0] * heads * d * size * tokens
+        return int(total)
 
 
 def kept_positions(cache: KVCache) -> list[list[list[np.ndarray]] | None]:

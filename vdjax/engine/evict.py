@@ -10,6 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from vdjax.engine import quant as kvq
 from vdjax.engine.adaptive import adakv_keep, criticaladakv_keep, wo_l1_norm
 from vdjax.engine.cache import (
     LayerCache,
@@ -241,6 +242,9 @@ class Pending:
     head: Any = None  # a pool's [B, 1, P] head of each slot after the update (k_new, v_new [B, 1, K * S, D])
     stats: Any = None  # the query statistics after the block (a policy that reads queries)
     feat_new: Any = None  # [B, K, S] the new tokens' per-token feature ([B, 1, K * S] for a pool)
+    # the stored cache when `cache` is its dequantized reading (`LayerCache.dense`): the new tokens are
+    # quantized into it
+    store: Any = None
 
     @property
     def planned(self) -> bool:
@@ -248,11 +252,17 @@ class Pending:
         return self.dest is not None
 
     def apply(self, dest, pos, acc) -> LayerCache:
-        """The new layer cache: the new tokens' k, v written at `dest`, nothing else moved."""
-        k = select_slots(self.cache.k, dest, self.k_new)  # [B, K, N, D]
+        """The new layer cache: the new tokens' k, v written at `dest` (a quantized store: quantized as they
+        are written, codes and scales together), nothing else moved."""
         feat = None if self.feat_new is None else scatter_slots(self.cache.feat, dest, self.feat_new)
-        return LayerCache(k, select_slots(self.cache.v, dest, self.v_new), pos, acc, self.head,
-                          self.cache.kv_heads, self.stats, feat)
+        if self.store is not None and self.store.quantized:
+            kq, vq = self.store.k, self.store.v
+            k = kvq.put_slots(kq, dest, kvq.quantize(self.k_new, kq.bits, kq.group, kq.scale_dtype))
+            v = kvq.put_slots(vq, dest, kvq.quantize(self.v_new, vq.bits, vq.group, vq.scale_dtype))
+        else:
+            k = select_slots(self.cache.k, dest, self.k_new)  # [B, K, N, D]
+            v = select_slots(self.cache.v, dest, self.v_new)
+        return LayerCache(k, v, pos, acc, self.head, self.cache.kv_heads, self.stats, feat)
 
 
 def evict(x, updates: list):

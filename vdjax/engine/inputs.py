@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from vdjax.checks import check_int
+from vdjax.engine import quant as kvq
 from vdjax.engine.evict import cache_rule
 from vdjax.engine.forms import layer_period
 from vdjax.engine.policies import BoundPolicy, Policy, bind
@@ -109,14 +110,33 @@ class Plan:
     scan: bool  # scan over layer groups (`default_layer_scan`) instead of unrolling the layers
 
 
+def kv_storage(cfg, kv_quant, kv_group) -> tuple[int, int] | None:
+    """(bits, group) of a quantized cache (`quant.QuantTensor`: `kv_group` channels per scale, None = the
+    head dim), None for kv_quant=None; a ValueError naming the argument otherwise."""
+    bits = kvq.kv_quant_bits(kv_quant)
+    if bits is None:
+        if kv_group is not None:
+            raise ValueError(f"kv_group={kv_group!r} needs kv_quant='int8' or 'int4'")
+        return None
+    d = cfg.head_dim
+    group = d if kv_group is None else kv_group
+    if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or group < 1 or d % group:
+        raise ValueError(f"kv_group must be a positive divisor of head_dim={d}; got {kv_group!r}")
+    return bits, int(group)
+
+
 def plan(params, ids, policy: Policy | str, budget, block_size, extra_tokens=0, attention_mask=None,
-         layer_scan=None, **policy_kwargs) -> Plan:
+         layer_scan=None, kv_quant=None, kv_group=None, **policy_kwargs) -> Plan:
     """Check the arguments, bind the policy (`policies.bind`: budget first, then its keywords) and fix the
     shapes (bucketed) of a prefill/generate call. A prompt longer than the model's max_position_embeddings
-    runs, with a warning naming both lengths (as transformers warns)."""
+    runs, with a warning naming both lengths (as transformers warns). `kv_quant` ("int8", "int4") with
+    `kv_group`: the cache's storage (`kv_storage`)."""
     if not isinstance(params, Params):
         raise TypeError(f"params must be vdjax Params (from vdjax.load), got {type(params).__name__}")
+    storage = kv_storage(params.config, kv_quant, kv_group)
     bound = bind(policy, params, budget, **policy_kwargs)
+    if storage is not None:
+        bound = dataclasses.replace(bound, quant=storage)
     block_size = check_int("block_size", block_size)
     tokens, lengths = prepare_ids(params, ids, attention_mask)
     t = int(lengths.max())

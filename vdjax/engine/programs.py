@@ -8,6 +8,7 @@ Blocks holding only padding are skipped at run time.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -42,6 +43,7 @@ def _layer(cfg, bound: BoundPolicy, kind: int, index, lw: dict, lc, x, q_pos, ta
             return (x, xr, r_pos), state
         return x, state
     inv_freq, window = tf.layer_settings(cfg, kind)
+    store, lc = lc, lc.dense()  # a quantized cache read dequantized: attention and scores see the same values
     view = lc.view()  # a head-adaptive pool as [B, K, P, ...], each head seeing its own slots
     inv_freq = jnp.asarray(inv_freq)
     rule = cache_rule(bound)
@@ -57,7 +59,8 @@ def _layer(cfg, bound: BoundPolicy, kind: int, index, lw: dict, lc, x, q_pos, ta
     if replaying:
         xr, feature = _replay_layer(cfg, bound, lw, view, k_new, v_new, q_pos, xr, r_pos, inv_freq, window)
         x = (x, xr, r_pos)
-    return x, rule.update(bound, lc, k_new, v_new, probs, q_pos, window, index, lw, rope, feature=feature)
+    update = rule.update(bound, lc, k_new, v_new, probs, q_pos, window, index, lw, rope, feature=feature)
+    return x, (dataclasses.replace(update, store=store) if store.quantized else update)
 
 
 def _replay_layer(cfg, bound: BoundPolicy, lw: dict, view, k_new, v_new, q_pos, xr, r_pos, inv_freq, window):
@@ -151,10 +154,12 @@ def prefill_program(params: Params, tokens, lengths, *, bound: BoundPolicy, slot
     pos = jnp.arange(t, dtype=jnp.int32)[None, :]
     q_pos = jnp.where(pos < lengths[:, None], pos, -1)  # [B, T]
     rule = cache_rule(bound)
-    if rule.causal_prefill:  # nothing is evicted, block boundaries change nothing: one causal pass a layer
+    # nothing is evicted, block boundaries change nothing: one causal pass a layer. A quantized cache keeps
+    # the blocks: each attends to the cache as stored (quantized) after the blocks before it.
+    if rule.causal_prefill and bound.quant is None:
         return _dense_prefill(params, tokens, q_pos, lengths, slots, mesh, scan)
     per_head = rule.head_budgets(cfg, slots)
-    fill = fill_tokens(cfg, bound, per_head, block, t)
+    fill = 0 if bound.quant is not None else fill_tokens(cfg, bound, per_head, block, t)
     tables = rope_tables(cfg, t, scan) if bound.policy.rope_table else None  # outside the block loop
     if fill:  # the blocks before the first eviction: one causal pass (same tokens kept, in the same slots)
         features = None if bound.policy.token_feature is None else (bound, block, tables)
@@ -166,7 +171,7 @@ def prefill_program(params: Params, tokens, lengths, *, bound: BoundPolicy, slot
         h_last = jnp.where((lengths <= fill)[:, None], h_fill, 0)  # [B, H]
     else:
         caches = KVCache.for_model(cfg, b, per_head, params.dtype, rule.pooled, bound.policy.query_stats,
-                                   bound.policy.token_feature is not None)
+                                   bound.policy.token_feature is not None, bound.quant)
         caches = loop_form(cfg, caches.layers, scan)
         h_last = jnp.zeros((b, cfg.hidden_size), params.dtype)
     nb -= fill // block
@@ -328,15 +333,17 @@ def grow(cache: KVCache, extra: int, scan: bool = False) -> KVCache:
     """The cache (in `loop_form`) with `extra` empty slots appended to every attention layer and head."""
     lead = 3 if scan else 2  # [G,] B, K before the slot axis
 
-    def pad(a, value):
-        return jnp.pad(a, [(0, 0)] * lead + [(0, extra)] + [(0, 0)] * (a.ndim - lead - 1),
-                       constant_values=value)
+    def pad(a, value, more=extra):  # a quantized k / v: its codes, scales and zeros alike
+        def one(x):
+            return jnp.pad(x, [(0, 0)] * lead + [(0, more)] + [(0, 0)] * (x.ndim - lead - 1),
+                           constant_values=value)
+
+        return jax.tree.map(one, a)
 
     def grown(lc):  # a pool grows by K * extra: every head's question tokens fit
         if lc.pooled:
             more = extra * lc.kv_heads
-            return LayerCache(*(jnp.pad(a, [(0, 0)] * lead + [(0, more)] + [(0, 0)] * (a.ndim - lead - 1),
-                                        constant_values=f)
+            return LayerCache(*(pad(a, f, more)
                                 for a, f in ((lc.k, 0), (lc.v, 0), (lc.pos, -1), (lc.acc, 0), (lc.head, -1))),
                               lc.kv_heads, lc.stats,
                               None if lc.feat is None else jnp.pad(

@@ -34,7 +34,7 @@ class Answer:
     question_tokens: int
     budget: int  # cache slots per KV head (dense: the whole sequence)
     kept: tuple[int, int]  # (min, max) valid slots per KV head over layers and heads at the end
-    cache_bytes: int  # the bounded cache actually held
+    cache_bytes: int  # the bounded cache's keys and values as stored (quantized: codes + scales + zeros)
     dense_cache_bytes: int  # keys and values of every token seen in every attention layer (a dense cache)
     ttft_s: float  # time to first token (compile included on a first call)
     decode_s: float
@@ -68,5 +68,5 @@ def answer(params, tokenizer, context: str, question: str = "", policy: str = "v
     counts = np.asarray(gen.cache.valid_counts())
     seen = len(ctx) + len(q) + len(tokens) - 1  # the last sampled token is never cached
     return Answer(tokenizer.decode(list(tokens), skip_special_tokens=True).strip(), tokens, len(ctx), len(q),
-                  gen.cache.budget, (int(counts.min()), int(counts.max())), gen.cache.nbytes(),
+                  gen.cache.budget, (int(counts.min()), int(counts.max())), gen.cache.kv_nbytes(),
                   gen.cache.dense_nbytes(seen), gen.prefill_s, gen.decode_s, gen)
