@@ -191,6 +191,40 @@ def attend(
 CHUNK = 512  # query and key chunk of `causal_attention`
 
 
+def _chunk_logits(qi: jax.Array, kj: jax.Array, cfg: ModelConfig, folded: bool) -> jax.Array:
+    """Logits [B, K, Gc, c] of one query chunk's rows qi [B, K, Gc, D] against key chunk kj [B, K, c, D]
+    (fp32; scaled unless the scale was `folded` into q, then soft-capped)."""
+    s = jnp.einsum("bkqd,bkpd->bkqp", qi, kj, preferred_element_type=jnp.float32)
+    if not folded:
+        s = s * cfg.attn_scale
+    if cfg.attn_softcap:
+        s = jnp.tanh(s / cfg.attn_softcap) * cfg.attn_softcap
+    return s
+
+
+def _online_softmax(carry, s: jax.Array, vj: jax.Array):
+    """One key chunk of the online softmax: carry (running max, sum [B, K, Gc], weighted values
+    [B, K, Gc, D]), logits s [B, K, Gc, c], values vj [B, K, c, D] -> the carry after it."""
+    m, denom, acc = carry
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    p = jnp.exp(s - m_new[..., None])
+    scale = jnp.exp(m - m_new)
+    acc = acc * scale[..., None] + jnp.einsum("bkqp,bkpd->bkqd", p.astype(vj.dtype), vj,
+                                              preferred_element_type=jnp.float32)
+    return m_new, denom * scale + jnp.sum(p, axis=-1), acc
+
+
+def _softmax_start(sinks: jax.Array | None, shape: tuple, g: int, c: int, d: int):
+    """The online softmax's first carry for rows of G heads x c queries: max MASK_VALUE and sum 0, or
+    learned `sinks` [Nq] as each row's max and a sum of 1 (head g's sink on rows g c .. g c + c - 1)."""
+    if sinks is None:
+        m0, l0 = jnp.full(shape, MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32)
+    else:
+        rows = jnp.repeat(sinks.astype(jnp.float32).reshape(shape[1], g), c, axis=1)  # [K, Gc]
+        m0, l0 = jnp.broadcast_to(rows, shape), jnp.ones(shape, jnp.float32)
+    return m0, l0, jnp.zeros(shape + (d,), jnp.float32)
+
+
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array, cfg: ModelConfig,
                      window: int | None = None, chunk: int | None = None, sinks: jax.Array | None = None
                      ) -> jax.Array:
@@ -230,41 +264,19 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array, c
         qi, pq, i = xs  # [B, K, Gc, D], [B, c]
         qp = jnp.tile(pq, (1, g))[:, None, :, None]  # [B, 1, Gc, 1]: the rows are G heads x c queries
 
-        def logits(j):  # [B, K, Gc, c]
-            s = jnp.einsum("bkqd,bkpd->bkqp", qi, kc[j], preferred_element_type=jnp.float32)
-            if not folded:
-                s = s * cfg.attn_scale
-            if cfg.attn_softcap:
-                s = jnp.tanh(s / cfg.attn_softcap) * cfg.attn_softcap
-            return s
-
         def below(j, carry):  # key chunk j < i: every key precedes every query, so only padding is masked
-            return update(carry, logits(j) + bias[j], j)
+            return _online_softmax(carry, _chunk_logits(qi, kc[j], cfg, folded) + bias[j], vc[j])
 
         def key_chunk(j, carry):
             kp = pc[j][:, None, None, :]  # [B, 1, 1, c]
             mask = (kp >= 0) & (kp <= qp)
             if window is not None:
                 mask &= (qp - kp) < window
-            return update(carry, jnp.where(mask, logits(j), MASK_VALUE), j)
+            return _online_softmax(carry, jnp.where(mask, _chunk_logits(qi, kc[j], cfg, folded), MASK_VALUE),
+                                   vc[j])
 
-        def update(carry, s, j):
-            m, denom, acc = carry  # [B, K, Gc], [B, K, Gc], [B, K, Gc, D]
-            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-            p = jnp.exp(s - m_new[..., None])
-            scale = jnp.exp(m - m_new)
-            acc = acc * scale[..., None] + jnp.einsum("bkqp,bkpd->bkqd", p.astype(v.dtype), vc[j],
-                                                      preferred_element_type=jnp.float32)
-            return m_new, denom * scale + jnp.sum(p, axis=-1), acc
-
-        shape = (b, kh, g * c)
         first = 0 if window is None else jnp.maximum(0, (i * c - window + 1) // c)
-        if sinks is None:
-            m0, l0 = jnp.full(shape, MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32)
-        else:  # rows are G heads x c queries: head g's sink on rows g c .. g c + c - 1
-            rows = jnp.repeat(sinks.astype(jnp.float32).reshape(kh, g), c, axis=1)  # [K, Gc]
-            m0, l0 = jnp.broadcast_to(rows, shape), jnp.ones(shape, jnp.float32)
-        carry = (m0, l0, jnp.zeros(shape + (d,), jnp.float32))
+        carry = _softmax_start(sinks, (b, kh, g * c), g, c, d)
         if window is None:
             carry = jax.lax.fori_loop(0, i, below, carry)
             first = i

@@ -290,6 +290,112 @@ def select_on_ruler(params, tokenizer, candidates: dict[str, Any], *, model_name
 
 
 # ---- the command ----------------------------------------------------------------------------------------
+def _select_on_ruler_text(params, tok, candidates, *, name: str, folder: Path, budget: int, block_size: int,
+                          length: int, samples: int, prior: str | None, say, progress: bool):
+    """`analyze_model`'s RULER selection: (chosen, score per mix, fit_meta entries, Markdown)."""
+    tasks = validation_tasks()
+    say(f"select the mix end to end: mean RULER score of {samples} held-out samples (seed "
+        f"{VALIDATION_SEED}) of {len(tasks)} tasks at N={budget} for {', '.join(candidates)}")
+    chosen, score, detail = select_on_ruler(params, tok, candidates, model_name=name, budget=budget,
+                                            out_dir=folder / f"selection-N{budget}", block=block_size,
+                                            length=length, samples=samples, prior=prior, progress=progress)
+    meta = {"selection": {"benchmark": "ruler", "seed": VALIDATION_SEED, "tasks": list(tasks),
+                          "samples": samples, "objective": selection_objective(prior), "score": score,
+                          **detail},
+            "selected": chosen}
+    text = (f"\nEnd-to-end selection at N={budget}: mean RULER score of {samples} held-out "
+            f"samples (seed {VALIDATION_SEED}) of {len(tasks)} tasks; highest "
+            f"**{detail['highest']}**, kept **{chosen}**"
+            + ("" if prior is None else f" ({prior} stays unless beaten beyond "
+                                        "the paired 95 % bootstrap interval)")
+            + ":\n\n| mix | score |\n|---|---|\n"
+            + "".join(f"| {k} | {v:.4f} |\n" for k, v in score.items()))
+    return chosen, score, meta, text
+
+
+def _select_on_probes_text(params, tok, candidates, *, length: int, n_probes: int, budget: int,
+                           block_size: int, say):
+    """`analyze_model`'s retrieval-probe selection: (chosen, NLL per mix, fit_meta entries, Markdown)."""
+    from vdjax.analysis.calibration import retrieval_probes
+
+    probes = retrieval_probes(tok, length, n_probes)
+    say(f"select the mix end to end: answer NLL of {len(probes)} retrieval probes under eviction at "
+        f"N={budget} for {', '.join(candidates)}")
+    chosen, nll = HY.select(params, probes, candidates, budget=budget, block=block_size)
+    meta = {"selection": {"probes": [p.name for p in probes],
+                          "objective": "answer NLL, nats per token (teacher-forced, "
+                                       "per-token eviction)", "nll": nll},
+            "selected": chosen}
+    text = (f"\nEnd-to-end selection at N={budget}: answer NLL (nats per token) of {len(probes)} "
+            f"retrieval probes; kept **{chosen}**:\n\n| mix | NLL |\n|---|---|\n"
+            + "".join(f"| {k} | {v:.4f} |\n" for k, v in nll.items()))
+    return chosen, nll, meta, text
+
+
+def _fit_mix(params, tok, prompts, w_geo, *, name: str, folder: Path, length: int, budget: int,
+             block_size: int, per_head: bool, fit_prompts: int, fit_steps: int, select_probes: int,
+             select_on: str, select_samples: int, select_prior: str | None, say, progress: bool):
+    """`analyze_model`'s --fit: the per-layer fit, its held-out error, then the end-to-end selection among
+    `HY.candidate_mixes`. Returns (hybrid entries, the fitted mix's metadata, Markdown)."""
+    ids = [list(p.ids) for p in prompts]
+    if len(ids) < 2:
+        raise ValueError("--fit needs at least 2 prompts (fitting ones plus one held out)")
+    n_fit = min(fit_prompts, len(ids) - 1)
+    held = ids[n_fit]  # the next prompt (another category when built in) is held out
+    say(f"fit the hybrid mix on {n_fit} prompts (N={budget}, B={block_size}, {fit_steps} Adam steps "
+        "per layer)")
+    w_fit, fit_info = HY.fit(params, ids[:n_fit], budget=budget, block=block_size, per_head=per_head,
+                             w0=w_geo, steps=fit_steps, progress=progress)
+    candidates = HY.candidate_mixes(w_fit, w_geo)
+    errors = HY.held_out_error(params, [held], candidates, budget=budget, block=block_size)
+    hyb: dict[str, Any] = {"held_out_error": {k: float(np.nanmean(v)) for k, v in errors.items()}}
+    fit_meta = {"per_head": per_head, "budget": budget, "block_size": block_size, "steps": fit_steps,
+                "fit_prompts": [p.name for p in prompts[:n_fit]], "held_out": prompts[n_fit].name,
+                "held_out_error_per_layer": {k: [None if not np.isfinite(x) else float(x) for x in v]
+                                             for k, v in errors.items()}, "layers": fit_info,
+                "per_layer_fit": w_fit.tolist()}
+    extra = (f"\nper-layer fit (N={budget}, B={block_size}, on {n_fit} prompts): "
+             f"{HY.describe(w_fit)}\n\n"
+             f"Attention-output error of block eviction on the held-out prompt {prompts[n_fit].name!r} "
+             f"(relative, mean over layers):\n\n| mix | error |\n|---|---|\n"
+             + "".join(f"| {k} | {v:.4f} |\n" for k, v in hyb["held_out_error"].items()))
+    chosen = "fitted"
+    if select_probes:
+        if select_on == "ruler":
+            chosen, score, meta, text = _select_on_ruler_text(
+                params, tok, candidates, name=name, folder=folder, budget=budget, block_size=block_size,
+                length=length, samples=select_samples, prior=select_prior, say=say, progress=progress)
+        else:
+            chosen, score, meta, text = _select_on_probes_text(
+                params, tok, candidates, length=length, n_probes=select_probes, budget=budget,
+                block_size=block_size, say=say)
+        hyb["selection"] = score
+        fit_meta.update(meta)
+        extra += text
+    hyb["fitted"] = candidates[chosen]
+    fit_meta["chosen"] = chosen
+    return hyb, fit_meta, extra
+
+
+def _save_beside_model(params, hyb: dict, paths: dict, budget: int, say) -> dict:
+    """Copy the hybrid mixes next to the checkpoint (where `policy="hybrid"` finds them): {"model-<method>":
+    path}; a read-only checkpoint folder is said and skipped."""
+    saved = {}
+    for method in hyb.keys() & set(HY.METHODS):
+        # the fitted mix: for every budget (the fallback) and for the one it was fitted and selected at
+        targets = [HY.mix_path(params, method)] + ([HY.mix_path(params, method, budget)]
+                                                   if method == "fitted" else [])
+        try:
+            for target in targets:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(paths[f"hybrid-{method}"], target)
+            saved[f"model-{method}"] = targets[-1]
+        except OSError as e:  # a read-only checkpoint folder: the copy under OUT still works by path
+            say(f"could not save the {method} mix next to the model ({e}); "
+                f"use mix={paths[f'hybrid-{method}']}")
+    return saved
+
+
 def analyze_model(model: str, out: str | os.PathLike, *, prompts_file: str | None = None, length: int = 2048,
         per_category: int = 4, tau: float = G.TAU, topk: int = G.TOPK, n_queries: int = G.N_QUERIES,
         jaccard_prompts: int = 8, fit: bool = False, budget: int = 256, block_size: int = 128,
@@ -335,81 +441,17 @@ def analyze_model(model: str, out: str | os.PathLike, *, prompts_file: str | Non
     extra = (f"\n## Hybrid mix\n\ngeometry rule ({'per head' if per_head else 'per layer'}): "
              f"{HY.describe(w_geo)}\n")
     if fit:
-        ids = [list(p.ids) for p in prompts]
-        if len(ids) < 2:
-            raise ValueError("--fit needs at least 2 prompts (fitting ones plus one held out)")
-        n_fit = min(fit_prompts, len(ids) - 1)
-        held = ids[n_fit]  # the next prompt (another category when built in) is held out
-        say(f"fit the hybrid mix on {n_fit} prompts (N={budget}, B={block_size}, {fit_steps} Adam steps "
-            "per layer)")
-        w_fit, fit_info = HY.fit(params, ids[:n_fit], budget=budget, block=block_size, per_head=per_head,
-                                 w0=w_geo, steps=fit_steps, progress=console is not None)
-        candidates = HY.candidate_mixes(w_fit, w_geo)
-        errors = HY.held_out_error(params, [held], candidates, budget=budget, block=block_size)
-        hyb["held_out_error"] = {k: float(np.nanmean(v)) for k, v in errors.items()}  # attention layers
-        fit_meta = {"per_head": per_head, "budget": budget, "block_size": block_size, "steps": fit_steps,
-                    "fit_prompts": [p.name for p in prompts[:n_fit]], "held_out": prompts[n_fit].name,
-                    "held_out_error_per_layer": {k: [None if not np.isfinite(x) else float(x) for x in v]
-                                                 for k, v in errors.items()}, "layers": fit_info,
-                    "per_layer_fit": w_fit.tolist()}
-        extra += (f"\nper-layer fit (N={budget}, B={block_size}, on {n_fit} prompts): "
-                  f"{HY.describe(w_fit)}\n\n"
-                  f"Attention-output error of block eviction on the held-out prompt {prompts[n_fit].name!r} "
-                  f"(relative, mean over layers):\n\n| mix | error |\n|---|---|\n"
-                  + "".join(f"| {k} | {v:.4f} |\n" for k, v in hyb["held_out_error"].items()))
-        chosen = "fitted"
-        if select_probes and select_on == "ruler":
-            tasks = validation_tasks()
-            say(f"select the mix end to end: mean RULER score of {select_samples} held-out samples (seed "
-                f"{VALIDATION_SEED}) of {len(tasks)} tasks at N={budget} for {', '.join(candidates)}")
-            chosen, score, detail = select_on_ruler(params, tok, candidates, model_name=name, budget=budget,
-                                                    out_dir=folder / f"selection-N{budget}", block=block_size,
-                                                    length=length, samples=select_samples, prior=select_prior,
-                                                    progress=console is not None)
-            hyb["selection"] = score
-            fit_meta.update({"selection": {"benchmark": "ruler", "seed": VALIDATION_SEED,
-                                           "tasks": list(tasks), "samples": select_samples,
-                                           "objective": selection_objective(select_prior),
-                                           "score": score, **detail}, "selected": chosen})
-            extra += (f"\nEnd-to-end selection at N={budget}: mean RULER score of {select_samples} held-out "
-                      f"samples (seed {VALIDATION_SEED}) of {len(tasks)} tasks; highest "
-                      f"**{detail['highest']}**, kept **{chosen}**"
-                      + ("" if select_prior is None else f" ({select_prior} stays unless beaten beyond "
-                                                         "the paired 95 % bootstrap interval)")
-                      + ":\n\n| mix | score |\n|---|---|\n"
-                      + "".join(f"| {k} | {v:.4f} |\n" for k, v in score.items()))
-        elif select_probes:
-            from vdjax.analysis.calibration import retrieval_probes
-
-            probes = retrieval_probes(tok, length, select_probes)
-            say(f"select the mix end to end: answer NLL of {len(probes)} retrieval probes under eviction at "
-                f"N={budget} for {', '.join(candidates)}")
-            chosen, nll = HY.select(params, probes, candidates, budget=budget, block=block_size)
-            hyb["selection"] = nll
-            fit_meta.update({"selection": {"probes": [p.name for p in probes],
-                                           "objective": "answer NLL, nats per token (teacher-forced, "
-                                                        "per-token eviction)", "nll": nll},
-                             "selected": chosen})
-            extra += (f"\nEnd-to-end selection at N={budget}: answer NLL (nats per token) of {len(probes)} "
-                      f"retrieval probes; kept **{chosen}**:\n\n| mix | NLL |\n|---|---|\n"
-                      + "".join(f"| {k} | {v:.4f} |\n" for k, v in nll.items()))
-        hyb["fitted"] = w_fit = candidates[chosen]
-        fit_meta["chosen"] = chosen
-        paths["hybrid-fitted"] = HY.save_mix(folder / "hybrid-fitted.json", w_fit, method="fitted",
+        fitted, fit_meta, text = _fit_mix(
+            params, tok, prompts, w_geo, name=name, folder=folder, length=length, budget=budget,
+            block_size=block_size, per_head=per_head, fit_prompts=fit_prompts, fit_steps=fit_steps,
+            select_probes=select_probes, select_on=select_on, select_samples=select_samples,
+            select_prior=select_prior, say=say, progress=console is not None)
+        hyb.update(fitted)
+        extra += text
+        paths["hybrid-fitted"] = HY.save_mix(folder / "hybrid-fitted.json", hyb["fitted"], method="fitted",
                                              model=name, info=fit_meta)
     if save_to_model and params.source is not None:
-        for method in hyb.keys() & set(HY.METHODS):
-            # the fitted mix: for every budget (the fallback) and for the one it was fitted and selected at
-            targets = [HY.mix_path(params, method)] + ([HY.mix_path(params, method, budget)]
-                                                       if method == "fitted" else [])
-            try:
-                for target in targets:
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    shutil.copyfile(paths[f"hybrid-{method}"], target)
-                paths[f"model-{method}"] = targets[-1]
-            except OSError as e:  # a read-only checkpoint folder: the copy under OUT still works by path
-                say(f"could not save the {method} mix next to the model ({e}); "
-                    f"use mix={paths[f'hybrid-{method}']}")
+        paths.update(_save_beside_model(params, hyb, paths, budget, say))
     paths.update(write_model(geo, folder, extra))
     paths.update({f"all-{k}": v for k, v in write_models(Path(out)).items()})
     return {"geometry": geo, "paths": paths, "hybrid": hyb}
