@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from vdjax.engine import quant as kvq
+from vdjax.engine.quant import scatter_slots  # noqa: F401  (the cache's slot write, used by evict)
 from vdjax.models.deltanet import LinearState
 
 
@@ -364,17 +365,6 @@ def single_destination(scores: jax.Array, pos: jax.Array, n: int) -> jax.Array:
     latest = jnp.where(s == low, jnp.where(pos >= 0, pos, i32.max), i32.min)  # empty slots go first
     victim = jnp.argmax(latest == jnp.max(latest, axis=-1, keepdims=True), axis=-1)  # first index of the max
     return victim.astype(jnp.int32)
-
-
-def scatter_slots(buf: jax.Array, dest: jax.Array, new: jax.Array) -> jax.Array:
-    """Write new [..., S, *E] into buf [..., N, *E] at slots dest [..., S] (index N = dropped); the leading
-    dims (rows, heads, maybe stacked layers) index alike."""
-    lead, s = dest.shape[:-1], dest.shape[-1]
-    rows = int(np.prod(lead))
-    flat = buf.reshape((rows,) + buf.shape[len(lead):])
-    out = flat.at[jnp.arange(rows)[:, None], dest.reshape(rows, s)].set(
-        new.reshape((rows, s) + new.shape[len(lead) + 1:]), mode="drop")
-    return out.reshape(buf.shape)
 
 
 def select_slots(buf: jax.Array, dest: jax.Array, new: jax.Array) -> jax.Array:

@@ -205,8 +205,9 @@ def _check_same(q: QuantTensor, new: QuantTensor) -> None:
             f"{(q.bits, q.group, str(q.scale_dtype), q.head_dim)}")
 
 
-def _scatter(buf: jax.Array, dest: jax.Array, new: jax.Array) -> jax.Array:
-    """buf [..., N, E] with new [..., S, E] written at dest [..., S] (N = dropped), as cache.scatter_slots."""
+def scatter_slots(buf: jax.Array, dest: jax.Array, new: jax.Array) -> jax.Array:
+    """Write new [..., S, *E] into buf [..., N, *E] at slots dest [..., S] (index N = dropped); the leading
+    dims (rows, heads, maybe stacked layers) index alike. (The cache's slot write: `cache` re-exports it.)"""
     lead, s = dest.shape[:-1], dest.shape[-1]
     rows = int(np.prod(lead))
     flat = buf.reshape((rows,) + buf.shape[len(lead):])
@@ -221,12 +222,12 @@ def put_slots(q: QuantTensor, dest: jax.Array, new: QuantTensor, fused: bool = T
     `cache.scatter_slots`. Same result either way (dest entries other than N must be distinct)."""
     _check_same(q, new)
     if not fused:
-        return q.replace(**{name: _scatter(a, dest, b) for name, a, b in
+        return q.replace(**{name: scatter_slots(a, dest, b) for name, a, b in
                             zip(("data", "scale", "zero"), _leaves(q), _leaves(new), strict=True)})
     s = dest.shape[-1]
     n = q.data.shape[-2]
     rows_new = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), dest.shape)  # [..., S]
-    src = _scatter(jnp.full(dest.shape[:-1] + (n,), -1, jnp.int32), dest, rows_new)  # [..., N] row per slot
+    src = scatter_slots(jnp.full(dest.shape[:-1] + (n,), -1, jnp.int32), dest, rows_new)  # [..., N]
     take = jnp.clip(src, 0, s - 1)[..., None]  # [..., N, 1]
     hit = (src >= 0)[..., None]
 
