@@ -70,6 +70,25 @@ def test_evicting_peak_is_flat_dense_grows(sweep, policy):
         sweep[policy, 1024]["programs"]["decode"]["flops_per_step"]
 
 
+@pytest.mark.parametrize("kv_quant,group,bits", [("int8", None, 8), ("int4", 4, 4)])
+def test_quantized_cache_is_smaller_on_chip(sweep, kv_quant, group, bits):
+    """kv_quant: the bytes decode reads per step shrink by exactly the cache's bytes on one chip
+    (XLA's argument and output bytes by at least that): 2 layers x (k, v) x 1 KV head per chip x the slots x (codes + bf16 scale and zero)."""
+    r = aot(CFG, topology_name="v5e:2x2", mesh=(1, 4), length=1024, policy="valuediff", budget=64,
+            new_tokens=16, model="tiny", kv_quant=kv_quant, kv_group=group)
+    base = sweep["valuediff", 1024]
+    g = group or CFG.head_dim
+    per_token = {"bf16": CFG.head_dim * 2, "q": CFG.head_dim * bits // 8 + 2 * 2 * (CFG.head_dim // g)}
+    assert r["cache_slots"] == base["cache_slots"] >= 64
+    saved = 2 * 2 * 1 * r["cache_slots"] * (per_token["bf16"] - per_token["q"])
+    dec, dec0 = r["programs"]["decode"], base["programs"]["decode"]
+    assert (r["kv_quant"], r["kv_group"]) == (kv_quant, g)
+    assert dec0["bytes_per_step"] - dec["bytes_per_step"] == saved  # read once a step, one head per chip
+    # XLA's own counts of the carry going in and out shrink too (by more here: TPU tiles pad a tiny cache)
+    assert dec0["output_bytes"] - dec["output_bytes"] >= saved
+    assert dec0["argument_bytes"] - dec["argument_bytes"] >= saved
+
+
 def test_multi_host_slice():
     """v5e:4x4: 16 chips on 4 hosts, one program for the whole slice."""
     r = aot(CFG, topology_name="v5e:4x4", mesh=(2, 8), length=2048, policy="valuediff", budget=64, batch=2,

@@ -38,6 +38,7 @@ LENGTHS = (37, 20, 45, 9, 30, 26)  # 6 ragged rows: 2x4 splits them 3 + 3, 8x1 p
 RUN = dict(block_size=8, max_new_tokens=10)
 # question-agnostic protocol (the question is padded too) and sampling (padding rows must not move real rows'
 # random draws); run on 8x1, where 6 rows become 8
+QUANT = (("int8", None), ("int4", 4))  # kv_quant, kv_group on the mesh (tests/test_kv_quant.py: the rest)
 EXTRA = dict(policy="valuediff", budget=12, question=[5, 9, 14, 3, 22], temperature=0.8, top_k=20)
 
 
@@ -168,6 +169,13 @@ def _child(group: str) -> dict:
         cache, _ = vdjax.prefill(params, ids, "valuediff", mesh=mesh, block_size=8, budget=12,
                                  layer_scan=True)
         out["specs"]["cache_k_scan"] = _spec(cache.layers[0].k)
+        # a quantized cache on the mesh: codes and scales sharded rows x heads like the unquantized cache
+        out["quant"] = {q: _summary(vdjax.run(params, ids, "valuediff", mesh=mesh, kv_quant=q, kv_group=g,
+                                              **RUN, budget=12)) for q, g in QUANT}
+        cache, _ = vdjax.prefill(params, ids, "valuediff", mesh=mesh, block_size=8, budget=12,
+                                 kv_quant="int4")
+        out["specs"] |= {"quant_data": _spec(cache.layers[0].k.data),
+                         "quant_scale": _spec(cache.layers[0].v.scale)}
     else:  # data 8: rows padded 6 -> 8; 2 KV heads on a 4-way model axis: attention replicated, MLP split
         out["8x1"] = _runs(4, POLICIES, sharding.make_mesh(data=8, model=1))
         out["extra"] = _extra(sharding.make_mesh(data=8, model=1))
@@ -199,7 +207,9 @@ def results():
             cache, logits = vdjax.prefill(params, ids, "valuediff", block_size=8, budget=12)
             ref = {"kv4": _runs(4, POLICIES), "kv2": _runs(2, ["valuediff"]), "extra": _extra(),
                    "prefill": {"kept": _kept(cache), "logits": np.asarray(logits).tolist()},
-                   "qwen3_5": _qwen3_5_run(), "gpt_oss": _gpt_oss_run()}
+                   "qwen3_5": _qwen3_5_run(), "gpt_oss": _gpt_oss_run(),
+                   "quant": {q: _summary(vdjax.run(params, ids, "valuediff", kv_quant=q, kv_group=g, **RUN,
+                                                   budget=12)) for q, g in QUANT}}
         got = {}
         for child in children:
             stdout, stderr = child.communicate(timeout=600)
@@ -274,6 +284,17 @@ def test_sharding_is_real(results):
     assert s["embed"] == [] and s["attn_norm"] == []
     assert s["cache_k"] == ["data", "model"] and s["cache_pos"] == ["data", "model"]
     assert s["tokens"] == ["data"] and s["tokens_devices"] == 8 and s["tokens_shard_rows"] == 3
+
+
+@pytest.mark.parametrize("kv_quant", [q for q, _ in QUANT])
+def test_mesh_quantized_cache_equals_single_device(results, kv_quant):
+    """kv_quant on a 2x4 mesh: the single device's tokens and kept positions; the packed codes and their
+    scales split rows x heads like an unquantized cache (no replicated full copy)."""
+    ref, got = results
+    want, have = ref["quant"][kv_quant], got["quant"][kv_quant]
+    assert have["tokens"] == want["tokens"]
+    _same_kept(have["kept"], want["kept"])
+    assert got["specs"]["quant_data"] == got["specs"]["quant_scale"] == ["data", "model"]
 
 
 def test_indivisible_kv_heads_replicate_attention(results):

@@ -49,7 +49,7 @@ def cmd_aot(args) -> int:
                      budget=None if policy.is_dense else args.budget, batch=args.batch,
                      block_size=args.block_size, new_tokens=args.new, dtype=_dtype(hf, args.dtype),
                      layer_scan=args.layer_scan != "off", model=str(args.model),
-                     **dict(args.policy_arg))
+                     kv_quant=args.kv_quant, kv_group=args.kv_group, **dict(args.policy_arg))
     except ValueError as e:
         raise UsageError(str(e)) from None
     report["source"] = where

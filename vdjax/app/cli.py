@@ -277,6 +277,7 @@ def _add_aot(sub) -> None:
     a.add_argument("--policy-arg", type=policy_arg, action="append", default=[], metavar="KEY=VALUE")
     a.add_argument("--layer-scan", choices=("on", "off"), default="on",
                    help="scan over layer groups (the TPU default) or unroll the layers")
+    _add_kv_args(a)
     a.add_argument("--json", metavar="OUT", help="write the report as JSON")
     a.set_defaults(func=cmd_aot)
 

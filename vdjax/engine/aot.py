@@ -23,11 +23,11 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from vdjax.engine import roofline
+from vdjax.engine import quant, roofline
 from vdjax.engine.api import positions_bound
 from vdjax.engine.cache import LayerCache
 from vdjax.engine.forms import layer_period
-from vdjax.engine.inputs import bucket, plan
+from vdjax.engine.inputs import bucket, kv_storage, plan
 from vdjax.engine.programs import decode_program, prefill_program
 from vdjax.engine.sharding import batch_sharding, heads_split, make_mesh, param_shardings
 from vdjax.models.params import Params
@@ -162,10 +162,12 @@ def _replay_defaults(cfg, policy, kw: dict) -> dict:
 def aot(cfg, *, topology_name: str = "v5e:2x2", mesh: tuple[int, int] | None = None, length: int = 8192,
         policy="valuediff", budget: int | None = 2048, batch: int = 1, block_size: int = 128,
         new_tokens: int = 256, dtype=jnp.bfloat16, layer_scan: bool = True, model: str = "",
-        **policy_kwargs) -> dict:
+        kv_quant: str | None = None, kv_group: int | None = None, **policy_kwargs) -> dict:
     """Compile the prefill and decode programs of one call (prompt `length`, `batch` rows, `new_tokens`
     to decode) for the TPU slice `topology_name` on a (data, model) `mesh` of its chips (None: all chips on
-    "model"); returns the report (see the module docstring and `format_report`)."""
+    "model"); returns the report (see the module docstring and `format_report`). `kv_quant` / `kv_group`:
+    the cache's storage (`vdjax.run`): the carry, the memory and the bytes read per step are the packed
+    cache's."""
     devices = topology(topology_name)
     chip_key = roofline.chip_of(devices[0].device_kind)
     chip = roofline.CHIPS[chip_key]
@@ -179,6 +181,9 @@ def aot(cfg, *, topology_name: str = "v5e:2x2", mesh: tuple[int, int] | None = N
     max_out = bucket(new_tokens)
     ids = np.zeros((batch, length), np.int32)
     kw = _replay_defaults(cfg, policy, dict(policy_kwargs))
+    storage = kv_storage(cfg, kv_quant, kv_group)
+    if storage is not None:
+        kw.update(kv_quant=kv_quant, kv_group=storage[1])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         p = plan(params, ids, policy, budget, block_size, max_out, None, layer_scan, **kw)
@@ -193,6 +198,9 @@ def aot(cfg, *, topology_name: str = "v5e:2x2", mesh: tuple[int, int] | None = N
     pre, pre_oom = _compile(lowered, (params, tokens, lengths))
     pre_s = time.perf_counter() - t0
     cache, logits = lowered.out_info
+    if pre is not None:  # the cache as the prefill leaves it (sharded rows x heads), as a real run hands it on
+        cache = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), cache,
+                             pre.output_shardings[0])
     key = jax.eval_shape(lambda: jax.random.key(0))
     live = {} if rows == batch else {"live": jax.ShapeDtypeStruct((rows,), jnp.bool_, sharding=rows_s)}
     eos = cfg.eos_token_ids or (0,)
@@ -220,7 +228,8 @@ def aot(cfg, *, topology_name: str = "v5e:2x2", mesh: tuple[int, int] | None = N
     w_bytes, c_bytes = _chip_bytes(layer_w), _chip_bytes(cache)
     h_bytes = _chip_bytes(params.weights.get("lm_head", params.weights["embed"]))
     k_chip = cfg.num_kv_heads // (width if split.heads_split else 1)
-    kv_token = 2.0 * k_chip * cfg.head_dim * jnp.dtype(dtype).itemsize
+    kv_token = 2.0 * k_chip * (cfg.head_dim * jnp.dtype(dtype).itemsize if storage is None else
+                               quant.bytes_per_token(cfg.head_dim, *storage))
     slots = _layer_slots(cfg, cache, p.scan)
     pf, pb = roofline.prefill_work(cfg, weights, split, slots, tokens=length, padded=p.tokens.shape[1],
                                    block=p.block, dense=p.bound.is_dense, weight_bytes=w_bytes,
@@ -249,7 +258,8 @@ def aot(cfg, *, topology_name: str = "v5e:2x2", mesh: tuple[int, int] | None = N
         "topology": topology_name, "chips": len(used), "processes": len({d.process_index for d in used}),
         "mesh": [data, width], "model": model or cfg.family, "dtype": jnp.dtype(dtype).name,
         "policy": p.bound.name, "budget": p.bound.budget, "length": length, "batch": batch,
-        "block_size": p.block, "new_tokens": new_tokens, "layer_scan": p.scan,
+        "block_size": p.block, "new_tokens": new_tokens, "layer_scan": p.scan, "kv_quant": kv_quant,
+        "kv_group": None if storage is None else storage[1], "cache_slots": max(slots),
         "chip": {"name": chip.name, "bf16_flops": chip.flops, "hbm_bytes": chip.hbm_bytes,
                  "hbm_bandwidth": chip.hbm_bandwidth, "source": chip.source},
         "programs": programs, "peak_bytes_per_chip": peak, "fits": fits, "verdict": verdict,
@@ -262,7 +272,8 @@ def format_report(r: dict) -> str:
     """The report as a small table (one row per program) with its verdict."""
     head = (f"{r['model']} {r['dtype']} on {r['topology']} ({r['chips']} chips, {r['processes']} processes, "
             f"mesh {r['mesh'][0]}x{r['mesh'][1]}): {r['policy']} N={r['budget']}, {r['length']} tokens x "
-            f"{r['batch']}, {r['new_tokens']} new")
+            f"{r['batch']}, {r['new_tokens']} new"
+            + ("" if not r.get("kv_quant") else f", cache {r['kv_quant']} g{r['kv_group']}"))
     lines = [head, "| program | peak GiB/chip | args | temp | out | GFLOP/chip | GB/chip | roofline s "
                    "| compile s |", "|---|---|---|---|---|---|---|---|---|"]
     for name, v in r["programs"].items():
