@@ -73,7 +73,8 @@ def test_evicting_peak_is_flat_dense_grows(sweep, policy):
 @pytest.mark.parametrize("kv_quant,group,bits", [("int8", None, 8), ("int4", 4, 4)])
 def test_quantized_cache_is_smaller_on_chip(sweep, kv_quant, group, bits):
     """kv_quant: the bytes decode reads per step shrink by exactly the cache's bytes on one chip
-    (XLA's argument and output bytes by at least that): 2 layers x (k, v) x 1 KV head per chip x the slots x (codes + bf16 scale and zero)."""
+    (XLA's argument and output bytes by at least that):
+    2 layers x (k, v) x 1 KV head per chip x the slots x (codes + bf16 scale and zero)."""
     r = aot(CFG, topology_name="v5e:2x2", mesh=(1, 4), length=1024, policy="valuediff", budget=64,
             new_tokens=16, model="tiny", kv_quant=kv_quant, kv_group=group)
     base = sweep["valuediff", 1024]

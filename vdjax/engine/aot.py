@@ -198,7 +198,7 @@ def aot(cfg, *, topology_name: str = "v5e:2x2", mesh: tuple[int, int] | None = N
     pre, pre_oom = _compile(lowered, (params, tokens, lengths))
     pre_s = time.perf_counter() - t0
     cache, logits = lowered.out_info
-    if pre is not None:  # the cache as the prefill leaves it (sharded rows x heads), as a real run hands it on
+    if pre is not None:  # the cache as the prefill leaves it (rows x heads sharded), as a real run gets it
         cache = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), cache,
                              pre.output_shardings[0])
     key = jax.eval_shape(lambda: jax.random.key(0))
