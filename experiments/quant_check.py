@@ -1,11 +1,12 @@
 """A quantized cache that evicts nothing against the unquantized one on the real models (issue 49).
 
-Prompts: one RULER sample of each of the 13 tasks (1024 tokens, seed 42, sample 0), chat template + answer
-prefix. Per model and `kv_quant`: `vdjax.prefill` (dense: N = T, blocks of 128, each block attending to the
-cache as stored) for the last-position logits, and `vdjax.generate` (dense, N = T + new) for `--new` greedy
-tokens with EOS off, against the same calls unquantized. Reports the prompts whose tokens are all equal, the
-first position where they differ, and the logit error (max |dl| / max |l| of the last prompt position, and
-whether its argmax agrees). Writes a Markdown table:
+Prompts: one RULER sample of each of the 13 tasks (1024 tokens, seed 42, sample 0), the eval's prompt
+(`render_split`: chat template where the tokenizer has one) + answer prefix. Per model and `kv_quant`:
+`vdjax.prefill` (dense: N = T, blocks of 128, each block attending to the cache as stored) for the
+last-position logits, and `vdjax.generate` (dense, N = T + new) for `--new` greedy tokens with EOS off,
+against the same calls unquantized. Reports the prompts whose tokens are all equal, the first position
+where they differ, and the logit error (max |dl| / max |l| of the last prompt position, and whether its
+argmax agrees). Writes a Markdown table:
 
     JAX_PLATFORMS=cpu .venv/bin/python experiments/quant_check.py --out results/bytes/equality.md
 """
@@ -19,6 +20,7 @@ import numpy as np
 
 import vdjax
 from vdjax.eval import ruler
+from vdjax.text.prompt import render_split
 
 MODELS = ("smollm2-135m", "gemma3-270m")
 
@@ -28,10 +30,8 @@ def prompts(tok, length: int) -> list[tuple[str, np.ndarray]]:
     out = []
     for task in ruler.TASKS:
         s = ruler.build(task, tok, length=length, num_samples=1, seed=42)[0]
-        ids = tok.apply_chat_template([{"role": "user", "content": s.context + s.question}],
-                                      add_generation_prompt=True, tokenize=True)
-        ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-        ids += tok(s.answer_prefix, add_special_tokens=False)["input_ids"]
+        ctx, q = render_split(tok, s.context, s.question, answer_prefix=s.answer_prefix)
+        ids = ctx + q
         out.append((task, np.asarray(ids, np.int32)))
     return out
 
@@ -82,8 +82,8 @@ def main() -> None:
                             text=True).stdout.strip()
     text = ("# A quantized cache that evicts nothing vs the unquantized cache "
             "(experiments/quant_check.py)\n\n"
-            f"One RULER sample per task (13 prompts, {a.length} tokens, seed 42, sample 0; chat template + "
-            f"answer prefix), fp32 weights, dense, blocks of 128, {a.new} greedy tokens with EOS off; "
+            f"One RULER sample per task (13 prompts, {a.length} tokens, seed 42, sample 0; the eval's "
+            f"prompt + answer prefix), fp32 weights, dense, blocks of 128, {a.new} greedy tokens, EOS off; "
             f"groups of {a.group} channels, bf16 scales; commit {commit}. Logit error: max |dl| / max |l| "
             f"over the vocabulary at the last prompt position (mean and max over prompts).\n\n"
             + "| " + " | ".join(head) + " |\n|" + "---|" * len(head) + "\n"

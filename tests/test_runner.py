@@ -792,6 +792,19 @@ def test_hybrid_runs_each_budget_with_the_mix_selected_at_it(tiny, tmp_path):
 
 
 
+def test_budgets_run_apart_with_their_own_mixes_share_one_file(tiny, tmp_path):
+    """Each budget run on its own with its own explicit mix (experiments/bytes.py's jobs) adds to the same
+    file; only lines at the budgets a run writes must match its hyper-parameters."""
+    params, tok = tiny
+    L, K = params.config.num_layers, params.config.num_kv_heads
+    kw = dict(policies=["hybrid"], tasks=["alpha"], num_samples=2)
+    path = _run(tiny, tmp_path, budgets=[32], policy_kwargs={"hybrid": {"mix": 1.0}}, **kw)
+    assert _run(tiny, tmp_path, budgets=[16], policy_kwargs={"hybrid": {"mix": 0.0}}, **kw) == path
+    mix = {r["budget"]: r["hyper"]["mix"] for r in _lines(path)}
+    assert mix == {32: [[1.0] * K] * L, 16: [[0.0] * K] * L}
+    with pytest.raises(ValueError, match="'hybrid' results with hyper-parameters .* at budget 16"):
+        _run(tiny, tmp_path, budgets=[16], policy_kwargs={"hybrid": {"mix": 0.5}}, **kw)
+
 def test_select_on_ruler_keeps_the_best_mean_score_on_held_out_samples(tiny, tmp_path, monkeypatch):
     """Each candidate mix runs as policy hybrid on RULER samples drawn with seed 1 (not RULER's 42) into its
     own resumable folder (a repeated mix shares its run); the selection is the highest mean of the lines'
