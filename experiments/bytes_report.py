@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import leaderboard_table as lt  # noqa: E402
 
 from vdjax.engine.quant import bytes_per_token, kv_quant_bits  # noqa: E402
+from vdjax.eval.report import paired_difference  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent / "results"
 HEAD_DIM = {"smollm2-135m": 64, "gemma3-270m": 256}
@@ -68,8 +69,21 @@ def rows(model: str) -> list[dict]:
         out.append({"model": model, "policy": policy, "kv_quant": q or "bf16", "N": n,
                     "bytes": 100 * fraction(model, q, n), "score": score, "retention": 100 * score / ref,
                     "tasks": sorted(tasks), "lines": len(recs),
+                    "samples": {t: {r["sample_id"]: r["score"] for r in recs if r["task"] == t}
+                                for t in tasks},
                     "commits": sorted({str(r.get("vdjax_commit", ""))[:7] for r in recs})})
+    for r in out:  # the cost of quantizing (same policy, same N) and the gain at equal bytes (bf16 N = 512)
+        for key, n in (("vs_same_n", r["N"]), ("vs_bf16_512", 512)):
+            ref = next((b for b in out if b["kv_quant"] == "bf16" and b["policy"] == r["policy"]
+                        and b["N"] == (None if r["policy"] == "dense" else n)), None)
+            skip = r["kv_quant"] == "bf16" or ref is None or (key == "vs_bf16_512" and r["N"] is None)
+            r[key] = None if skip else paired_difference(r["samples"], ref["samples"])
     return out
+
+
+def _diff(d) -> str:
+    """A paired difference in points with its bootstrap 95 % interval, or a dash."""
+    return "–" if d is None else f"{d[0]:+.1f} [{d[1]:+.1f}, {d[2]:+.1f}]"
 
 
 BEST = {"smollm2-135m": "hybrid", "gemma3-270m": "chunkkv:hybrid"}  # each model's best row at N = 512
@@ -84,17 +98,21 @@ def markdown(all_rows: list[dict]) -> str:
             f"int8 / int4 with per-token groups of {GROUP} channels, bf16 scale and zero per group; the "
             "hybrid's mix: results/thesis-hybrid-ruler's at N = 512, its N = 1024 mix for N >= 1024. "
             "bytes: % of a dense bf16 cache of 2048 tokens. % of dense: of dense bf16 over the row's "
-            "finished tasks.", ""]
+            "finished tasks. Differences: score points, quantized row minus the bf16 row of the same policy "
+            "at the same N (the cost of the quantization) and at N = 512 (the gain at about equal bytes), "
+            "paired on the shared samples, bootstrap 95 % interval with samples resampled within each task "
+            "(`vdjax.eval.report.paired_difference`).", ""]
     for model in WANTED:
         mine = [r for r in all_rows if r["model"] == model and r["policy"] in WANTED[model]
                 and not (r["kv_quant"] == "bf16" and r["N"] not in (None, 512, 1024))]
         mine.sort(key=lambda r: (r["bytes"], -r["retention"]))
-        text += [f"## {model}", "", "| bytes % | cache | N | policy | score | % of dense | tasks | commits |",
-                 "|---|---|---|---|---|---|---|---|"]
+        text += [f"## {model}", "", "| bytes % | cache | N | policy | score | % of dense | vs bf16 same N "
+                 "| vs bf16 N = 512 | tasks | commits |", "|---|---|---|---|---|---|---|---|---|---|"]
         for r in mine:
             done = "13" if len(r["tasks"]) == TASKS else f"partial {len(r['tasks'])}: {', '.join(r['tasks'])}"
             text.append(f"| {r['bytes']:.1f} | {r['kv_quant']} | {r['N'] or 'all'} | {r['policy']} | "
-                        f"{r['score']:.1f} | {r['retention']:.1f} % | {done} | {', '.join(r['commits'])} |")
+                        f"{r['score']:.1f} | {r['retention']:.1f} % | {_diff(r['vs_same_n'])} | "
+                        f"{_diff(r['vs_bf16_512'])} | {done} | {', '.join(r['commits'])} |")
         text.append("")
     return "\n".join(text)
 
@@ -145,7 +163,8 @@ def main() -> None:
     Path(a.out).write_text(text + "\n")
     figure(all_rows, Path(a.figure))
     if a.json:
-        Path(a.json).write_text(json.dumps(all_rows, indent=1))
+        Path(a.json).write_text(json.dumps([{k: v for k, v in r.items() if k != "samples"} for r in all_rows],
+                                           indent=1))
     print(text)
 
 
