@@ -1,10 +1,12 @@
 """Which quantization layout for the evicting KV cache (issue 49): reconstruction and attention-output error
-of int8 / int4 keys and values on SmolLM2-135M's real K and V, per-token groups (vdjax.engine.quant's layout:
-`group` consecutive channels of one token's head vector) against KIVI's per-channel groups (G consecutive
-tokens of one channel, the layout KIVI uses for keys), and bf16 vs fp16 vs fp32 scales.
+of int8 / int4 keys and values on a real model's K and V (SmolLM2-135M, Gemma3-270M), per-token groups
+(vdjax.engine.quant's layout: `group` consecutive channels of one token's head vector) against KIVI's
+per-channel groups (G consecutive tokens of one channel, the layout KIVI uses for keys),
+and bf16 vs fp16 vs fp32 scales.
 
 One prompt: the first `--tokens` tokens of RULER's Paul Graham essays, run densely (fp32); per attention layer
-the block's queries, the post-RoPE keys (as the cache stores them) and the values are captured. For each
+the block's queries, the post-RoPE keys (as the cache stores them) and the values are captured (a sliding
+layer's attention masked to its window). For each
 configuration, averaged over the 30 layers:
 - rel F: ||X^ - X||_F / ||X||_F over the layer's [K, T, D] tensor;
 - per-token: mean over tokens and KV heads of ||x^_i - x_i|| / ||x_i|| (and its 99th percentile);
@@ -22,6 +24,7 @@ factor from the first CALIB tokens (one prefill block; factor = half-range ** SM
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 
@@ -73,13 +76,16 @@ def fake_quant(x, bits, layout, group, sd):
     return jnp.swapaxes(Q.dequantize(Q.quantize(xt, bits, group, SCALE_DTYPES[sd]), jnp.float32), -1, -2)
 
 
-def causal(q, k, v, scale):
-    """q [T, Nq, D], k, v [K, T, D] -> o [T, Nq, D] (GQA: query head n reads KV head n // G), fp32 softmax."""
+def causal(q, k, v, scale, window=None):
+    """q [T, Nq, D], k, v [K, T, D] -> o [T, Nq, D] (GQA: query head n reads KV head n // G), fp32 softmax;
+    `window`: a sliding layer's query attends to its last `window` positions only."""
     t, nq, d = q.shape
     kh = k.shape[0]
     qg = q.reshape(t, kh, nq // kh, d)
     logits = jnp.einsum("skgd,ktd->kgst", qg, k) * scale
     mask = jnp.tril(jnp.ones((t, t), bool))
+    if window is not None:
+        mask &= ~jnp.tril(jnp.ones((t, t), bool), -window)
     p = jax.nn.softmax(jnp.where(mask, logits, -jnp.inf), axis=-1)
     return jnp.einsum("kgst,ktd->skgd", p, v).reshape(t, nq, d)
 
@@ -95,12 +101,12 @@ def make_layer(cfg):
     """A jitted dense layer that also returns the errors of every configuration."""
     confs = configs()
 
-    @jax.jit
-    def layer(lw, x, pos, inv_freq):
+    @functools.partial(jax.jit, static_argnames="window")
+    def layer(lw, x, pos, inv_freq, window=None):
         h = tf.rms_norm(x, lw["attn_norm"], cfg.rms_norm_eps, cfg.norm_offset)
         q, k, v, gate = tf.project_qkv(lw, h, pos, cfg, inv_freq)
         q, k, v = q[0], k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2)  # [T, Nq, D]; [K, T, D]
-        o = causal(q, k, v, cfg.attn_scale)
+        o = causal(q, k, v, cfg.attn_scale, window)
         on = jnp.linalg.norm(o)
         rows = []
         for t, bits, layout, g, sd in confs:
@@ -109,7 +115,7 @@ def make_layer(cfg):
             rec = rel_errors(k if t != "v" else v, kh if t != "v" else vh)
             if t == "kv":  # report the mean of both tensors' errors
                 rec = tuple((a + b) / 2 for a, b in zip(rec, rel_errors(v, vh), strict=True))
-            oh = causal(q, kh, vh, cfg.attn_scale)
+            oh = causal(q, kh, vh, cfg.attn_scale, window)
             rows.append(jnp.stack(list(rec) + [jnp.linalg.norm(oh - o) / on]))
         x_out = tf.layer_output(lw, x, o[None].astype(x.dtype), gate, cfg)
         return x_out, jnp.stack(rows)
@@ -161,8 +167,9 @@ def main(argv=None):
     errs = []
     for i, lw in enumerate(params.weights["layers"]):
         inv_freq, window = tf.layer_settings(cfg, i)
-        assert window is None and cfg.attends(i), "the script measures full-attention layers only"
-        x, e = layer(lw, x, pos, jnp.asarray(inv_freq))
+        assert cfg.attends(i) and not cfg.attn_softcap and "sinks" not in lw, \
+            "the script measures plain softmax attention layers only (no softcap, sinks or linear attention)"
+        x, e = layer(lw, x, pos, jnp.asarray(inv_freq), window=window)
         errs.append(np.asarray(e))
         print(f"layer {i} done ({time.time() - t0:.0f} s)", file=sys.stderr)
     errs = np.stack(errs)  # [L, C, 4]
