@@ -143,8 +143,8 @@ def figure(all_rows: list[dict], path: Path) -> None:
         ax.set_title(model)
         ax.set_xlabel("cache bytes, % of dense bf16 (2048 tokens)")
         ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
     axes[0].set_ylabel("RULER 2048, % of dense bf16")
-    axes[1].legend(fontsize=7)
     fig.suptitle(f"Eviction x quantization at equal bytes (seed 42, 13 tasks x 10; groups of {GROUP}; "
                  "hollow = partial)", fontsize=9)
     fig.tight_layout()
