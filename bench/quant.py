@@ -102,8 +102,7 @@ def main(argv=None) -> None:
             "dense fp32 MiB", "cache vs none", "decode bytes/step MiB", "peak RSS MiB", "other load"]
     text = (f"# Quantized cache vs unquantized (bench/quant.py, {a.model} fp32 weights)\n\n"
             f"T = {a.tokens} tokens of real text, B = 128, {a.new} new tokens ({a.new - 1} decode steps), "
-            f"groups of "
-            f"{a.group} channels, bf16 scales; host: {B.cpu_model()}, {B.n_cores()} cores; "
+            f"groups of {a.group} channels, bf16 scales; host: {B.cpu_model()}, {B.n_cores()} cores; "
             f"{B.git_state()}.\n\n" + B.md_table(head, rows)
             + "\n\nCommand: `.venv/bin/python bench/quant.py "
             f"--tokens {a.tokens} --budget {a.budget} --group {a.group} --out {a.out}`\n")

@@ -283,12 +283,13 @@ def check_resume(spec: Spec, path: Path, records: list[dict], print_id: str, all
                 f"tokenizer and chat template); this run's is {print_id!r}: use another out_dir, or "
                 "allow_mixed=True "
                 "(CLI --allow-mixed) to add to it anyway")
-    ours = None if not spec.budgets or spec.fractional else set(spec.budgets)  # budgets this run writes
+    writes = None if not spec.budgets or spec.fractional else set(spec.budgets)  # None: any budget
     for pol, hyper in spec.policies:
         for record in records:
-            if record["policy"] != pol.name or (ours is not None and record.get("budget") not in ours
-                                                and not pol.is_dense):
-                continue  # lines at budgets this run does not touch may hold their own hyper-parameters
+            if record["policy"] != pol.name:
+                continue
+            if writes is not None and not pol.is_dense and record.get("budget") not in writes:
+                continue  # a budget this run does not write may hold its own hyper-parameters
             want = json.loads(json.dumps(dict(spec.hyper_at(pol, hyper, record.get("budget")))))
             if record.get("hyper") != want:
                 raise ValueError(
