@@ -281,8 +281,7 @@ def check_resume(spec: Spec, path: Path, records: list[dict], print_id: str, all
             raise ValueError(
                 f"{path} holds results of fingerprint {record.get('fingerprint')!r} (checkpoint, dtype, "
                 f"tokenizer and chat template); this run's is {print_id!r}: use another out_dir, or "
-                "allow_mixed=True "
-                "(CLI --allow-mixed) to add to it anyway")
+                "allow_mixed=True (CLI --allow-mixed) to add to it anyway")
     writes = None if not spec.budgets or spec.fractional else set(spec.budgets)  # None: any budget
     for pol, hyper in spec.policies:
         for record in records:
