@@ -41,8 +41,9 @@ def _add_model_args(p, default: str = "smollm2-135m") -> None:
 
 def _add_kv_args(p) -> None:
     """--kv-quant, --kv-group."""
-    p.add_argument("--kv-quant", choices=("int8", "int4"),
-                   help="store keys and values quantized (per-token groups, scales; int4 two per byte)")
+    p.add_argument("--kv-quant", choices=("int8", "int4", "int8-smooth", "int4-smooth"),
+                   help="store keys and values quantized (per-token groups, scales; int4 two per byte; "
+                        "-smooth: keys centred, smoothed per channel and Hadamard-rotated first)")
     p.add_argument("--kv-group", type=POSITIVE, help="channels per scale (default: the head dim)")
 
 

@@ -229,7 +229,7 @@ def aot(cfg, *, topology_name: str = "v5e:2x2", mesh: tuple[int, int] | None = N
     h_bytes = _chip_bytes(params.weights.get("lm_head", params.weights["embed"]))
     k_chip = cfg.num_kv_heads // (width if split.heads_split else 1)
     kv_token = 2.0 * k_chip * (cfg.head_dim * jnp.dtype(dtype).itemsize if storage is None else
-                               quant.bytes_per_token(cfg.head_dim, *storage))
+                               quant.bytes_per_token(cfg.head_dim, *storage[:2]))
     slots = _layer_slots(cfg, cache, p.scan)
     pf, pb = roofline.prefill_work(cfg, weights, split, slots, tokens=length, padded=p.tokens.shape[1],
                                    block=p.block, dense=p.bound.is_dense, weight_bytes=w_bytes,

@@ -93,18 +93,19 @@ class LayerCache:
 
     @classmethod
     def empty(cls, batch: int, kv_heads: int, slots: int, head_dim: int, dtype, pooled: bool = False,
-              quant: tuple[int, int] | None = None) -> LayerCache:
+              quant: tuple[int, int, str] | None = None) -> LayerCache:
         """`slots` empty slots per head, or (`pooled`) one pool of kv_heads * slots slots; `quant` (bits,
-        group): keys and values stored as `quant.QuantTensor`s (codes + per-group scales), never in
-        `dtype`."""
+        group, key layout): keys and values stored as `quant.QuantTensor`s (codes + per-group scales), never
+        in `dtype` (values always in the token layout)."""
         shape = (batch, 1, kv_heads * slots) if pooled else (batch, kv_heads, slots)
 
-        def kv():
+        def kv(layout=kvq.LAYOUT):
             if quant is None:
                 return jnp.zeros(shape + (head_dim,), dtype)
-            return kvq.empty(shape + (head_dim,), quant[0], quant[1], dtype)
+            return kvq.empty(shape + (head_dim,), quant[0], quant[1], dtype, layout=layout)
 
-        return cls(k=kv(), v=kv(), pos=jnp.full(shape, -1, jnp.int32), acc=jnp.zeros(shape, jnp.float32),
+        return cls(k=kv(kvq.LAYOUT if quant is None else quant[2]), v=kv(),
+                   pos=jnp.full(shape, -1, jnp.int32), acc=jnp.zeros(shape, jnp.float32),
                    head=jnp.full(shape, -1, jnp.int32) if pooled else None,
                    kv_heads=kv_heads if pooled else 0)
 

@@ -257,8 +257,10 @@ class Pending:
         feat = None if self.feat_new is None else scatter_slots(self.cache.feat, dest, self.feat_new)
         if self.store is not None and self.store.quantized:
             kq, vq = self.store.k, self.store.v
-            k = kvq.put_slots(kq, dest, kvq.quantize(self.k_new, kq.bits, kq.group, kq.scale_dtype))
-            v = kvq.put_slots(vq, dest, kvq.quantize(self.v_new, vq.bits, vq.group, vq.scale_dtype))
+            # a smooth-layout head not calibrated yet is calibrated on the new tokens it keeps
+            kq = kvq.recalibrated(kq, self.k_new, dest < kq.data.shape[-2])
+            k = kvq.put_slots(kq, dest, kvq.quantize_like(kq, self.k_new))
+            v = kvq.put_slots(vq, dest, kvq.quantize_like(vq, self.v_new))
         else:
             k = select_slots(self.cache.k, dest, self.k_new)  # [B, K, N, D]
             v = select_slots(self.cache.v, dest, self.v_new)

@@ -110,9 +110,9 @@ class Plan:
     scan: bool  # scan over layer groups (`default_layer_scan`) instead of unrolling the layers
 
 
-def kv_storage(cfg, kv_quant, kv_group) -> tuple[int, int] | None:
-    """(bits, group) of a quantized cache (`quant.QuantTensor`: `kv_group` channels per scale, None = the
-    head dim), None for kv_quant=None; a ValueError naming the argument otherwise."""
+def kv_storage(cfg, kv_quant, kv_group) -> tuple[int, int, str] | None:
+    """(bits, group, key layout) of a quantized cache (`quant.QuantTensor`: `kv_group` channels per scale,
+    None = the head dim), None for kv_quant=None; a ValueError naming the argument otherwise."""
     bits = kvq.kv_quant_bits(kv_quant)
     if bits is None:
         if kv_group is not None:
@@ -122,7 +122,11 @@ def kv_storage(cfg, kv_quant, kv_group) -> tuple[int, int] | None:
     group = d if kv_group is None else kv_group
     if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or group < 1 or d % group:
         raise ValueError(f"kv_group must be a positive divisor of head_dim={d}; got {kv_group!r}")
-    return bits, int(group)
+    layout = kvq.kv_quant_layout(kv_quant)
+    if layout == "smooth" and d & (d - 1):
+        raise ValueError(f"kv_quant={kv_quant!r} rotates keys by a Hadamard matrix: it needs a power-of-two "
+                         f"head_dim; this model's is {d} (use {kv_quant.split('-')[0]!r})")
+    return bits, int(group), layout
 
 
 def plan(params, ids, policy: Policy | str, budget, block_size, extra_tokens=0, attention_mask=None,

@@ -14,6 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from vdjax.engine import quant as kvq
 from vdjax.engine.cache import KVCache, LayerCache
 from vdjax.engine.evict import cache_rule, drop_dead, evict, fill_tokens
 from vdjax.engine.forms import layer_period, layer_weights, loop_form
@@ -334,6 +335,9 @@ def grow(cache: KVCache, extra: int, scan: bool = False) -> KVCache:
     lead = 3 if scan else 2  # [G,] B, K before the slot axis
 
     def pad(a, value, more=extra):  # a quantized k / v: its codes, scales and zeros alike
+        if isinstance(a, kvq.QuantTensor):
+            return kvq.pad_slots(a, lead, more)
+
         def one(x):
             return jnp.pad(x, [(0, 0)] * lead + [(0, more)] + [(0, 0)] * (x.ndim - lead - 1),
                            constant_values=value)

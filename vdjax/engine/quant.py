@@ -24,6 +24,16 @@ Storage:
   whatever the scale dtype. A constant group (max == min) stores scale 0 and round-trips exactly when its
   value is representable in `scale_dtype` (always so for a bf16 cache with bf16 scales).
 
+Smooth keys (`kv_quant="int8-smooth"` / `"int4-smooth"`; values stay plain per token): per-token groups
+lose to KIVI's per-channel groups on keys, whose few outlier channels set every group's range. The smooth
+layout keeps slots self-contained and moves the channel structure into two fixed [D] vectors per (row, KV
+head): a centre c and a factor f calibrated from the first tokens written into the head (`calibrate`:
+the written tokens' per-channel mid-range and half-range ** SMOOTH, SmoothQuant-like), and a normalised
+Hadamard rotation H (QuaRot-like: spreads what is left of an outlier over all channels). A key is stored
+as the per-token quantization of y = ((x - c) / f) @ H and read as x = (y @ H) * f + c (H = H.T = H^-1).
+c and f (scale dtype) are stored with the tensor and counted in its bytes (2 * D * itemsize per head and
+row, not per token); results/bytes/layout*.md measure the layouts.
+
 Bytes (one token, one KV head, one of k / v): D * bits / 8 + 2 * (D / group) * itemsize(scale_dtype);
 `bytes_per_token`, `nbytes` (exact), `slots_for_bytes` (N at a fraction of a dense bf16 cache's bytes).
 Arithmetic is fp32 throughout; `dequantize` casts to the requested dtype at the end.
@@ -39,10 +49,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-KV_QUANT = {None: None, "int8": 8, "int4": 4}  # the valid kv_quant names -> bits (None: unquantized)
+KV_QUANT = {None: None, "int8": 8, "int4": 4, "int8-smooth": 8, "int4-smooth": 4}  # name -> bits
+SMOOTH = 0.5  # the smooth layout's factor exponent: f = half-range ** SMOOTH (0.5 measured best, layout.md)
+FLOOR = 1e-3  # a channel's calibrated half-range at least FLOOR times the head's largest (f stays finite)
 BITS = (8, 4)
 DEFAULT_SCALE_DTYPE = jnp.bfloat16  # see the module docstring and results/bytes/layout.md
 LAYOUT = "token"  # groups of `group` consecutive channels within one token's head vector
+LAYOUTS = ("token", "smooth")
 
 
 @flax.struct.dataclass
@@ -58,6 +71,10 @@ class QuantTensor:
     group: int = flax.struct.field(pytree_node=False, default=64)
     dtype: Any = flax.struct.field(pytree_node=False, default=jnp.dtype(jnp.float32))  # logical dtype
     layout: str = flax.struct.field(pytree_node=False, default=LAYOUT)
+    # smooth layout only: the fixed per-(row, head) channel centre and factor [..., D] (scale_dtype; factor 0:
+    # not calibrated yet); None for the token layout
+    centre: Any = None
+    factor: Any = None
 
     @property
     def head_dim(self) -> int:
@@ -83,11 +100,20 @@ class QuantTensor:
 # ---- validation -------------------------------------------------------------------------------------------
 
 def kv_quant_bits(kv_quant) -> int | None:
-    """Bits of a kv_quant name (None -> None, "int8" -> 8, "int4" -> 4); ValueError for anything else."""
+    """Bits of a kv_quant name (None -> None, "int8"/"int8-smooth" -> 8, "int4"/"int4-smooth" -> 4);
+    ValueError for anything else."""
     if isinstance(kv_quant, str) or kv_quant is None:
         if kv_quant in KV_QUANT:
             return KV_QUANT[kv_quant]
-    raise ValueError(f"kv_quant must be one of None, 'int8', 'int4'; got {kv_quant!r}")
+    raise ValueError(f"kv_quant must be one of None, 'int8', 'int4', 'int8-smooth', 'int4-smooth'; got "
+                     f"{kv_quant!r}")
+
+
+def kv_quant_layout(kv_quant) -> str:
+    """The key layout of a kv_quant name: "smooth" for the -smooth names, else "token" (values: always
+    "token")."""
+    kv_quant_bits(kv_quant)
+    return "smooth" if str(kv_quant).endswith("-smooth") else "token"
 
 
 def _check_bits(bits) -> int:
@@ -124,6 +150,55 @@ def unpack_int4(packed: jax.Array) -> jax.Array:
     return both.reshape(p.shape[:-1] + (p.shape[-1] * 2,))
 
 
+# ---- the smooth layout's fixed transform ------------------------------------------------------------------
+
+def hadamard(d: int) -> np.ndarray:
+    """The normalised Sylvester Hadamard matrix [d, d] (orthogonal, symmetric); d a power of two."""
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"the smooth layout rotates head vectors by a Hadamard matrix: head_dim must be a "
+                         f"power of two; got head_dim={d}")
+    h = np.ones((1, 1), np.float32)
+    while h.shape[0] < d:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.float32(np.sqrt(d))
+
+
+def _rotate(x: jax.Array) -> jax.Array:
+    """x [..., D] fp32 @ H (H symmetric and orthogonal: its own inverse), full fp32 precision everywhere."""
+    return jnp.matmul(x, jnp.asarray(hadamard(x.shape[-1])), precision=jax.lax.Precision.HIGHEST)
+
+
+def calibrate(x: jax.Array, written: jax.Array, scale_dtype=DEFAULT_SCALE_DTYPE) -> tuple:
+    """The smooth layout's (centre, factor) [..., D] in scale_dtype from the tokens x [..., S, D] where
+    written [..., S]: per channel the mid-range and max(half-range, FLOOR * the head's largest) ** SMOOTH;
+    (0, 0) (not calibrated) where no token is written."""
+    xf = x.astype(jnp.float32)
+    w = written[..., None]
+    mx = jnp.max(jnp.where(w, xf, -jnp.inf), axis=-2)  # [..., D]
+    mn = jnp.min(jnp.where(w, xf, jnp.inf), axis=-2)
+    any_ = jnp.any(written, axis=-1)[..., None]  # [..., 1]
+    half = jnp.where(any_, (mx - mn) / 2, 0.0)
+    half = jnp.maximum(half, FLOOR * jnp.max(half, axis=-1, keepdims=True))
+    factor = jnp.where(any_ & (half > 0), half, jnp.where(any_, 1.0, 0.0)) ** SMOOTH  # constant head: 1
+    centre = jnp.where(any_, (mx + mn) / 2, 0.0)
+    return centre.astype(scale_dtype), factor.astype(scale_dtype)
+
+
+def recalibrated(q: QuantTensor, x: jax.Array, written: jax.Array) -> QuantTensor:
+    """q with (centre, factor) set from x [..., S, D] where written [..., S] in every (row, head) not yet
+    calibrated (factor 0); q itself for the token layout."""
+    if q.layout != "smooth":
+        return q
+    c, f = calibrate(x, written, q.scale_dtype)
+    ready = jnp.any(q.factor > 0, axis=-1, keepdims=True)  # [..., 1]
+    return q.replace(centre=jnp.where(ready, q.centre, c), factor=jnp.where(ready, q.factor, f))
+
+
+def quantize_like(q: QuantTensor, x: jax.Array) -> QuantTensor:
+    """x [..., S, D] quantized as q is stored (bits, group, scale dtype, layout and q's calibration)."""
+    return quantize(x, q.bits, q.group, q.scale_dtype, q.centre, q.factor)
+
+
 # ---- quantize / dequantize --------------------------------------------------------------------------------
 
 def _outward(v: jax.Array, ref: jax.Array, dtype, up: bool) -> jax.Array:
@@ -135,14 +210,20 @@ def _outward(v: jax.Array, ref: jax.Array, dtype, up: bool) -> jax.Array:
     return jnp.where(f > ref, jnp.nextafter(s, jnp.asarray(-jnp.inf, dtype)), s)
 
 
-def quantize(x: jax.Array, bits: int, group: int | None = None,
-             scale_dtype=DEFAULT_SCALE_DTYPE) -> QuantTensor:
-    """x [..., N, D] -> QuantTensor (per-token groups of `group` channels; None = D): asymmetric min/max."""
+def quantize(x: jax.Array, bits: int, group: int | None = None, scale_dtype=DEFAULT_SCALE_DTYPE,
+             centre: jax.Array | None = None, factor: jax.Array | None = None) -> QuantTensor:
+    """x [..., N, D] -> QuantTensor (per-token groups of `group` channels; None = D): asymmetric min/max.
+    With centre and factor [..., D] (the smooth layout): ((x - centre) / factor) @ H quantized instead (a
+    factor 0, not calibrated, counts as 1)."""
     bits = _check_bits(bits)
     d = x.shape[-1]
     group = _check_group(group, d, bits)
     levels = float(2**bits - 1)
-    xf = x.astype(jnp.float32).reshape(x.shape[:-1] + (d // group, group))  # [..., N, G, g]
+    xf = x.astype(jnp.float32)
+    if centre is not None:
+        f = factor.astype(jnp.float32)[..., None, :]  # [..., 1, D]
+        xf = _rotate((xf - centre.astype(jnp.float32)[..., None, :]) / jnp.where(f > 0, f, 1.0))
+    xf = xf.reshape(x.shape[:-1] + (d // group, group))  # [..., N, G, g]
     mn = jnp.min(xf, axis=-1)  # [..., N, G]
     mx = jnp.max(xf, axis=-1)
     zero = _outward(mn, mn, scale_dtype, up=False)  # stored <= min
@@ -156,7 +237,8 @@ def quantize(x: jax.Array, bits: int, group: int | None = None,
     codes = jnp.clip(jnp.round((xf - zf[..., None]) * inv[..., None]), 0, levels).astype(jnp.uint8)
     codes = codes.reshape(x.shape)  # [..., N, D]
     data = pack_int4(codes) if bits == 4 else codes
-    return QuantTensor(data, scale, zero, bits=bits, group=group, dtype=jnp.dtype(x.dtype))
+    return QuantTensor(data, scale, zero, bits=bits, group=group, dtype=jnp.dtype(x.dtype),
+                       layout=LAYOUT if centre is None else "smooth", centre=centre, factor=factor)
 
 
 def codes_of(q: QuantTensor) -> jax.Array:
@@ -169,20 +251,32 @@ def dequantize(q: QuantTensor, dtype=None) -> jax.Array:
     c = codes_of(q).astype(jnp.float32)  # [..., N, D]
     c = c.reshape(c.shape[:-1] + (c.shape[-1] // q.group, q.group))  # [..., N, G, g]
     x = c * q.scale.astype(jnp.float32)[..., None] + q.zero.astype(jnp.float32)[..., None]
-    return x.reshape(q.shape).astype(q.dtype if dtype is None else dtype)
+    x = x.reshape(q.shape)
+    if q.centre is not None:  # the smooth layout: rotate back, times the factor, plus the centre
+        f, c = (a.astype(jnp.float32)[..., None, :] for a in (q.factor, q.centre))  # [..., 1, D]
+        x = _rotate(x) * f + c
+    return x.astype(q.dtype if dtype is None else dtype)
 
 
 def empty(shape, bits: int, group: int | None = None, dtype=jnp.bfloat16,
-          scale_dtype=DEFAULT_SCALE_DTYPE) -> QuantTensor:
-    """An all-zero QuantTensor of logical shape [..., N, D] (dequantizes to zeros, as `LayerCache.empty`)."""
+          scale_dtype=DEFAULT_SCALE_DTYPE, layout: str = LAYOUT) -> QuantTensor:
+    """An all-zero QuantTensor of logical shape [..., N, D] (dequantizes to zeros, as `LayerCache.empty`);
+    the smooth layout not calibrated yet (centre, factor [..., D] zeros)."""
     bits = _check_bits(bits)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
     shape = tuple(int(s) for s in shape)
     d = shape[-1]
     group = _check_group(group, d, bits)
     lead = shape[:-1]
     groups = lead + (d // group,)
+    calib = {}
+    if layout == "smooth":
+        hadamard(d)  # a power of two
+        calib = {name: jnp.zeros(lead[:-1] + (d,), scale_dtype) for name in ("centre", "factor")}
     return QuantTensor(jnp.zeros(lead + (d * bits // 8,), jnp.uint8), jnp.zeros(groups, scale_dtype),
-                       jnp.zeros(groups, scale_dtype), bits=bits, group=group, dtype=jnp.dtype(dtype))
+                       jnp.zeros(groups, scale_dtype), bits=bits, group=group, dtype=jnp.dtype(dtype),
+                       layout=layout, **calib)
 
 
 # ---- slot-axis helpers (the axis eviction gathers and writes: -2 of the logical shape) --------------------
@@ -197,12 +291,21 @@ def take_slots(q: QuantTensor, idx: jax.Array) -> QuantTensor:
                         for name, a in zip(("data", "scale", "zero"), _leaves(q), strict=True)})
 
 
+def pad_slots(q: QuantTensor, axis: int, more: int) -> QuantTensor:
+    """q with `more` empty slots appended on the slot `axis` of data, scales and zeros (calibration kept)."""
+    def one(a):
+        return jnp.pad(a, [(0, 0)] * axis + [(0, more)] + [(0, 0)] * (a.ndim - axis - 1))
+
+    return q.replace(**{name: one(a) for name, a in zip(("data", "scale", "zero"), _leaves(q), strict=True)})
+
+
 def _check_same(q: QuantTensor, new: QuantTensor) -> None:
-    if (q.bits, q.group, q.scale_dtype, q.head_dim) != (new.bits, new.group, new.scale_dtype, new.head_dim):
+    a = (q.bits, q.group, str(q.scale_dtype), q.head_dim, q.layout)
+    b = (new.bits, new.group, str(new.scale_dtype), new.head_dim, new.layout)
+    if a != b:
         raise ValueError(
-            "put_slots: new must be quantized like the buffer (bits, group, scale dtype, head_dim); got "
-            f"{(new.bits, new.group, str(new.scale_dtype), new.head_dim)} into "
-            f"{(q.bits, q.group, str(q.scale_dtype), q.head_dim)}")
+            "put_slots: new must be quantized like the buffer (bits, group, scale dtype, head_dim, layout); "
+            f"got {b} into {a}")
 
 
 def scatter_slots(buf: jax.Array, dest: jax.Array, new: jax.Array) -> jax.Array:
@@ -218,8 +321,9 @@ def scatter_slots(buf: jax.Array, dest: jax.Array, new: jax.Array) -> jax.Array:
 
 def put_slots(q: QuantTensor, dest: jax.Array, new: QuantTensor, fused: bool = True) -> QuantTensor:
     """Write new [..., S, D] into q [..., N, D] at slots dest [..., S] (index N = dropped), codes and scales
-    together. `fused` (default): one select per leaf as `cache.select_slots`; else a scatter as
-    `cache.scatter_slots`. Same result either way (dest entries other than N must be distinct)."""
+    together (the smooth layout: new must be quantized with q's calibration, which is kept). `fused`
+    (default): one select per leaf as `cache.select_slots`; else a scatter as `cache.scatter_slots`. Same
+    result either way (dest entries other than N must be distinct)."""
     _check_same(q, new)
     if not fused:
         return q.replace(**{name: scatter_slots(a, dest, b) for name, a, b in
@@ -241,8 +345,8 @@ def put_slots(q: QuantTensor, dest: jax.Array, new: QuantTensor, fused: bool = T
 # ---- bytes ------------------------------------------------------------------------------------------------
 
 def nbytes(q: QuantTensor) -> int:
-    """Exact bytes of a QuantTensor: packed data + scales + zeros."""
-    return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in _leaves(q))
+    """Exact bytes of a QuantTensor: packed data + scales + zeros (+ the smooth layout's centre, factor)."""
+    return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(q))
 
 
 def bytes_per_token(head_dim: int, bits: int | None, group: int | None = None,
