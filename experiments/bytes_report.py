@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import leaderboard_table as lt  # noqa: E402
 
-from vdjax.engine.quant import bytes_per_token, kv_quant_bits  # noqa: E402
+from vdjax.engine.quant import bytes_per_token, kv_quant_bits, kv_quant_layout  # noqa: E402
 from vdjax.eval.report import paired_difference  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent / "results"
@@ -32,11 +32,13 @@ BF16 = {"hybrid": lt.HYBRID, "chunkkv:hybrid": "chunkkv:hybrid (moonshot)"}  # p
 
 
 def fraction(model: str, q: str | None, n: int | None) -> float:
-    """Bytes of N slots at q as a fraction of a dense bf16 cache of 2048 tokens."""
+    """Bytes of N slots at q as a fraction of a dense bf16 cache of 2048 tokens (a -smooth q: plus its keys'
+    centre and factor, bf16 [D] each per head)."""
     d = HEAD_DIM[model]
     bits = kv_quant_bits(q)
     per = bytes_per_token(d, bits, None if bits is None else GROUP)
-    return (n or 2048) * per / (2048 * bytes_per_token(d, None))
+    calib = 2 * d * 2 if q is not None and kv_quant_layout(q) == "smooth" else 0  # per head, keys only
+    return ((n or 2048) * 2 * per + calib) / (2048 * 2 * bytes_per_token(d, None))
 
 
 def by_task(records) -> dict[str, list[float]]:
@@ -55,7 +57,7 @@ def rows(model: str) -> list[dict]:
             policy = {v: k for k, v in BF16.items()}.get(label, label)
             groups[(policy, None, None if policy == "dense" else n)] = list(src.records.values())
     for folder in sorted((ROOT / "bytes" / "ruler" / model / "paper").glob("L2048-*")):
-        q = folder.name.split("-")[1]
+        q = folder.name.split("-", 1)[1].rsplit("-g", 1)[0]  # L2048-<q>-g<g>, q may hold a dash
         for r in lt.read_lines(folder / "predictions.jsonl"):
             groups.setdefault((r["policy"], q, r["budget"]), []).append(r)
     dense = {t: sum(v) / len(v) for t, v in by_task(groups[("dense", None, None)]).items()}
@@ -95,7 +97,9 @@ def markdown(all_rows: list[dict]) -> str:
     """One table per model: the issue's rows (its policies, its budgets), sorted by bytes then retention."""
     text = ["# The equal-bytes frontier (issue 49): RULER 2048, eviction x quantized cache", "",
             "13 tasks x 10 samples (seed 42, the leaderboard's), paper protocol, B = 128, batch 10, greedy; "
-            f"int8 / int4 with per-token groups of {GROUP} channels, bf16 scale and zero per group; the "
+            f"int8 / int4 with per-token groups of {GROUP} channels, bf16 scale and zero per group "
+            "(int4-smooth: keys centred and divided by fixed per-channel factors calibrated on each head's "
+            "first block, Hadamard-rotated, then the same groups; values as int4); the "
             "hybrid's mix: results/thesis-hybrid-ruler's at N = 512, its N = 1024 mix for N >= 1024. "
             "bytes: % of a dense bf16 cache of 2048 tokens. % of dense: of dense bf16 over the row's "
             "finished tasks. Differences: score points, quantized row minus the bf16 row of the same policy "
@@ -125,7 +129,7 @@ def figure(all_rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-    colors = {"bf16": "tab:blue", "int8": "tab:orange", "int4": "tab:green"}
+    colors = {"bf16": "tab:blue", "int8": "tab:orange", "int4": "tab:green", "int4-smooth": "tab:red"}
     for ax, model in zip(axes, WANTED, strict=True):
         for q, c in colors.items():
             for policy, marker in ((BEST[model], "o"), ("dense", "*")):

@@ -46,7 +46,7 @@ def check(model: str, length: int, new: int, group: int) -> list[list]:
         gen = vdjax.generate(params, ids, policy="dense", max_new_tokens=new, eos_token_id=[])
         base[task] = (np.asarray(logits[0], np.float64), np.asarray(gen[0]))
     rows = []
-    for q in ("int8", "int4"):
+    for q in ("int8", "int4", "int8-smooth", "int4-smooth"):
         equal, first, rel, agree = 0, [], [], 0
         t0 = time.perf_counter()
         for task, ids in ps:

@@ -90,6 +90,19 @@ def test_quantized_cache_is_smaller_on_chip(sweep, kv_quant, group, bits):
     assert dec0["argument_bytes"] - dec["argument_bytes"] >= saved
 
 
+def test_smooth_keys_compile_for_tpu(sweep):
+    """kv_quant="int4-smooth" compiles for a v5e slice; decode reads int4's bytes plus the keys' fixed
+    centre and factor (bf16 [K, D] per layer and row: at most a few slots' worth), far below bf16's."""
+    kw = dict(topology_name="v5e:2x2", mesh=(1, 4), length=1024, policy="valuediff", budget=64,
+              new_tokens=16, model="tiny", kv_group=4)
+    smooth, plain = aot(CFG, kv_quant="int4-smooth", **kw), aot(CFG, kv_quant="int4", **kw)
+    assert smooth["kv_quant"] == "int4-smooth" and smooth["cache_slots"] == plain["cache_slots"]
+    s, p = smooth["programs"]["decode"]["bytes_per_step"], plain["programs"]["decode"]["bytes_per_step"]
+    calib = 2 * 2 * 1 * CFG.head_dim * 2  # layers x (centre, factor) x 1 KV head per chip x D x bf16
+    assert p <= s <= p + calib, (s, p)
+    assert s < sweep["valuediff", 1024]["programs"]["decode"]["bytes_per_step"]
+
+
 def test_multi_host_slice():
     """v5e:4x4: 16 chips on 4 hosts, one program for the whole slice."""
     r = aot(CFG, topology_name="v5e:4x4", mesh=(2, 8), length=2048, policy="valuediff", budget=64, batch=2,

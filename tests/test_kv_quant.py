@@ -132,9 +132,62 @@ def test_layer_scan_equals_unrolled(model):
 
 def test_errors(model):
     params, ids = model
-    with pytest.raises(ValueError, match="kv_quant must be one of None, 'int8', 'int4'; got 'int3'"):
+    with pytest.raises(ValueError, match="kv_quant must be one of None, 'int8', 'int4', 'int8-smooth', "
+                                         "'int4-smooth'; got 'int3'"):
         vdjax.generate(params, ids, "valuediff", budget=12, kv_quant="int3")
     with pytest.raises(ValueError, match="kv_group must be a positive divisor of head_dim=16; got 5"):
         vdjax.generate(params, ids, "valuediff", budget=12, kv_quant="int8", kv_group=5)
     with pytest.raises(ValueError, match="kv_group=8 needs kv_quant"):
         vdjax.generate(params, ids, "valuediff", budget=12, kv_group=8)
+
+
+@pytest.mark.parametrize("kv_quant", ["int8-smooth", "int4-smooth"])
+def test_smooth_keys_calibrate_on_the_first_block(model, kv_quant):
+    """The smooth layout: layer 0's key centre and factor are `calibrate` of the first block's keys (the
+    first tokens written), its key codes `quantize` of all the unquantized keys with them; values stay in
+    the token layout; logits close to the unquantized cache's."""
+    params, ids = model
+    row = ids[0]
+    cache, _ = vdjax.prefill(params, row, "valuediff", budget=64, block_size=8, kv_quant=kv_quant)
+    k_ref, v_ref = layer0_kv(params, np.asarray(row))  # [K, T, D]
+    k, v = cache.layers[0].k, cache.layers[0].v
+    assert k.layout == "smooth" and v.layout == "token" and v.centre is None
+    c, f = quant.calibrate(jnp.asarray(k_ref)[None, :, :8], jnp.ones((1, CFG.num_kv_heads, 8), bool))
+    np.testing.assert_array_equal(np.asarray(k.centre), np.asarray(c))
+    np.testing.assert_array_equal(np.asarray(k.factor), np.asarray(f))
+    want = quant.quantize(jnp.asarray(k_ref)[None], k.bits, k.group, k.scale_dtype, c, f)
+    pos = np.asarray(cache.layers[0].pos)[0]
+    for h in range(CFG.num_kv_heads):
+        slots = np.argsort(np.where(pos[h] >= 0, pos[h], 1 << 30))[: len(row)]
+        got = np.asarray(quant.codes_of(k))[0, h][slots].astype(int)
+        ref = np.asarray(quant.codes_of(want))[0, h].astype(int)
+        # in-program and eager fp32 rotations may differ in the last ulp: a code may move by one
+        assert (got == ref).mean() > 0.99 and np.abs(got - ref).max() <= 1
+    ref_cache, ref_logits = vdjax.prefill(params, ids, "dense", block_size=8)
+    plain = vdjax.prefill(params, ids, "valuediff", budget=64, block_size=8, kv_quant=kv_quant[:4])[1]
+    _, logits = vdjax.prefill(params, ids, "valuediff", budget=64, block_size=8, kv_quant=kv_quant)
+    err = np.abs(np.asarray(logits) - np.asarray(ref_logits)).max() / np.abs(np.asarray(ref_logits)).max()
+    assert err < (0.02 if kv_quant.startswith("int8") else 0.3), err
+    assert np.isfinite(np.asarray(plain)).all()
+
+
+def test_smooth_keys_compose_and_count_their_calibration(model):
+    """int4-smooth with every cache kind (per head, a head-adaptive pool, dense), layer scan = unrolled, the
+    bytes: the token layout's plus centre and factor (bf16 [B, K, D]; a pool's [B, 1, D]) per layer; a head
+    dim that is not a power of two is refused by name."""
+    params, ids = model
+    for policy in ("valuediff", "adakv:valuediff", "snapkv", "dense"):
+        budget = None if policy == "dense" else 12
+        a = vdjax.run(params, ids, policy, budget=budget, kv_quant="int4-smooth", kv_group=8, **RUN)
+        b = vdjax.run(params, ids, policy, budget=budget, kv_quant="int4", kv_group=8, **RUN)
+        heads = 1 if policy.startswith("adakv") else CFG.num_kv_heads  # a pool: one calibration per row
+        assert a.cache_bytes - b.cache_bytes == CFG.num_layers * len(ids) * heads * 16 * 2 * 2
+        assert np.asarray(a.cache.valid_counts()).sum(-1).max() <= 2 * (budget or 64)
+        assert all(lc.k.factor is not None and (np.asarray(lc.k.factor) > 0).all() for lc in a.cache.layers)
+    u = vdjax.run(params, ids, "valuediff", budget=12, kv_quant="int4-smooth", layer_scan=False, **RUN)
+    s = vdjax.run(params, ids, "valuediff", budget=12, kv_quant="int4-smooth", layer_scan=True, **RUN)
+    assert (u.tokens == s.tokens).all()
+    odd = random_params(tiny_config(num_heads=2, num_kv_heads=1, head_dim=12), seed=3)
+    with pytest.raises(ValueError, match=r"kv_quant='int4-smooth' rotates keys by a Hadamard matrix: it "
+                                         r"needs a power-of-two head_dim; this model's is 12 \(use 'int4'\)"):
+        vdjax.generate(odd, ids, "valuediff", budget=12, kv_quant="int4-smooth")

@@ -317,9 +317,12 @@ def test_everything_jits_and_agrees():
 # ---- errors ------------------------------------------------------------------------------------------------
 
 def test_errors_name_argument_value_and_allowed():
-    assert [Q.kv_quant_bits(v) for v in (None, "int8", "int4")] == [None, 8, 4]
-    for bad in ("int3", "fp8", "INT8", 8, True):
-        with pytest.raises(ValueError, match=r"kv_quant must be one of None, 'int8', 'int4'; got") as e:
+    assert [Q.kv_quant_bits(v) for v in (None, "int8", "int4", "int8-smooth", "int4-smooth")] == [
+        None, 8, 4, 8, 4]
+    assert [Q.kv_quant_layout(v) for v in (None, "int4", "int4-smooth")] == ["token", "token", "smooth"]
+    for bad in ("int3", "fp8", "INT8", 8, True, "int4-smoth"):
+        with pytest.raises(ValueError, match=r"kv_quant must be one of None, 'int8', 'int4', 'int8-smooth', "
+                                             r"'int4-smooth'; got") as e:
             Q.kv_quant_bits(bad)
         assert repr(bad) in str(e.value)
     x = jnp.zeros((1, 1, 2, 64))
@@ -341,6 +344,96 @@ def test_errors_name_argument_value_and_allowed():
         Q.slots_for_bytes(1.5, 2048, 64, "int8")
     with pytest.raises(ValueError, match=r"tokens must be a positive int; got 0"):
         Q.slots_for_bytes(0.5, 0, 64, "int8")
+    with pytest.raises(ValueError, match=r"head_dim must be a power of two; got head_dim=48"):
+        Q.empty((1, 1, 2, 48), 8, 16, layout="smooth")
+    with pytest.raises(ValueError, match=r"layout must be one of \('token', 'smooth'\); got 'channel'"):
+        Q.empty((1, 1, 2, 64), 8, 16, layout="channel")
     q8, q4 = Q.quantize(x, 8, 32), Q.quantize(x, 4, 32)
+    c, f = Q.calibrate(x, jnp.ones((1, 1, 2), bool))
+    with pytest.raises(ValueError, match=r"put_slots: new must be quantized like the buffer .* layout"):
+        Q.put_slots(q8, jnp.zeros((1, 1, 2), jnp.int32), Q.quantize(x, 8, 32, centre=c, factor=f))
     with pytest.raises(ValueError, match=r"put_slots: new must be quantized like the buffer"):
         Q.put_slots(q8, jnp.zeros((1, 1, 2), jnp.int32), q4)
+
+
+# ---- the smooth key layout ---------------------------------------------------------------------------------
+
+def ref_hadamard(d: int) -> np.ndarray:
+    """H[i, j] = (-1) ** popcount(i & j) / sqrt(d) (Sylvester's construction written out)."""
+    i = np.arange(d)
+    bits = np.vectorize(lambda a: bin(a).count("1"))(i[:, None] & i[None, :])
+    return ((-1.0) ** bits / np.sqrt(d)).astype(np.float32)
+
+
+def ref_calibrate(x: np.ndarray, written: np.ndarray, dt) -> tuple[np.ndarray, np.ndarray]:
+    """Per (row, head) over the written tokens: channel mid-range and max(half-range, FLOOR * largest) ** 0.5,
+    stored in dt; zeros where nothing is written."""
+    lead = x.shape[:-2]
+    centre = np.zeros(lead + (x.shape[-1],), np.float32)
+    factor = np.zeros_like(centre)
+    for ix in np.ndindex(lead):
+        w = written[ix]
+        if not w.any():
+            continue
+        sel = x[ix][w].astype(np.float32)  # [S_w, D]
+        hi, lo = sel.max(0), sel.min(0)
+        half = (hi - lo) / 2
+        half = np.maximum(half, np.float32(Q.FLOOR) * half.max())
+        factor[ix] = np.where(half > 0, half, 1.0) ** np.float32(Q.SMOOTH)
+        centre[ix] = (hi + lo) / 2
+    return centre.astype(dt), factor.astype(dt)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_smooth_layout_against_numpy(bits):
+    """Calibration, codes, scales and the read-back of the smooth layout equal a NumPy reference built from
+    ref_quantize: y = ((x - c) / f) @ H quantized per token, x^ = (y^ @ H) * f + c; and it beats the plain
+    per-token layout on keys with outlier channels."""
+    b, k, n, d, g = 2, 2, 24, 32, 16
+    dt = NP_DTYPES[jnp.dtype(jnp.bfloat16)]
+    x = kv_like((b, k, n, d), 11) / 30 + np.linspace(-2, 2, d, dtype=np.float32)  # offsets and outliers
+    x[..., 7] *= 40
+    written = np.ones((b, k, n), bool)
+    written[1, 0, 5:] = False  # a head calibrated on its first five tokens only
+    written[1, 1] = False  # a head with nothing written: not calibrated
+    c, f = Q.calibrate(jnp.asarray(x), jnp.asarray(written))
+    rc, rf = ref_calibrate(x, written, dt)
+    np.testing.assert_array_equal(np.asarray(c.astype(jnp.float32)), rc.astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(f.astype(jnp.float32)), rf.astype(np.float32))
+    assert (np.asarray(f)[1, 1] == 0).all() and (np.asarray(f)[0] > 0).all()
+    h = ref_hadamard(d)
+    np.testing.assert_allclose(Q.hadamard(d), h, atol=1e-7)
+    np.testing.assert_allclose(h @ h, np.eye(d), atol=1e-6)
+    q = Q.quantize(jnp.asarray(x), bits, g, centre=c, factor=f)
+    assert q.layout == "smooth" and q.centre.shape == (b, k, d)
+    cf, ff = rc.astype(np.float32)[..., None, :], rf.astype(np.float32)[..., None, :]
+    y = ((x - cf) / np.where(ff > 0, ff, 1)) @ h  # [B, K, N, D]
+    codes, scale, zero = ref_quantize(y, bits, g, jnp.bfloat16)
+    got = np.asarray(Q.codes_of(q))
+    # fp32 matmul order may move a value across a rounding boundary: nearly every code equal, none off by 2
+    assert (got == codes).mean() > 0.995 and np.abs(got.astype(int) - codes).max() <= 1
+    sc, zr = (np.asarray(a).astype(np.float32) for a in (q.scale, q.zero))
+    y_back = ref_dequantize(got, sc, zr, g)
+    want = (y_back @ h) * ff + cf
+    np.testing.assert_allclose(np.asarray(Q.dequantize(q, jnp.float32)), want, rtol=1e-5, atol=1e-5)
+    # the error bound: |x^ - x| <= f * ||y^ - y||_2 per element, ||y^ - y||_inf <= scale / 2 per group
+    err_y = np.abs(y_back - y).reshape(b, k, n, d // g, g).max(-1)
+    assert (err_y <= np.asarray(q.scale).astype(np.float32) / 2 * (1 + 1e-3) + 1e-6).all()
+    plain = np.asarray(Q.dequantize(Q.quantize(jnp.asarray(x), bits, g), jnp.float32))
+    ok = written.all(-1)  # heads calibrated on all their tokens
+    smooth_err = np.linalg.norm((np.asarray(Q.dequantize(q, jnp.float32)) - x)[ok])
+    assert smooth_err < 0.7 * np.linalg.norm((plain - x)[ok])
+    # an empty smooth tensor reads zeros, slot gathers and writes keep the calibration
+    e = Q.empty((b, k, n, d), bits, g, layout="smooth")
+    assert float(jnp.abs(Q.dequantize(e)).max()) == 0 and e.centre.shape == (b, k, d)
+    e = Q.recalibrated(e, jnp.asarray(x), jnp.asarray(written))
+    np.testing.assert_array_equal(np.asarray(e.factor), np.asarray(f))
+    again = Q.recalibrated(e, jnp.asarray(x[..., ::-1, :] * 3), jnp.asarray(written))  # calibrated: unchanged
+    np.testing.assert_array_equal(np.asarray(again.factor), np.asarray(f))
+    dest = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, k, n))
+    put = Q.put_slots(e, dest, Q.quantize_like(e, jnp.asarray(x)))
+    np.testing.assert_array_equal(np.asarray(Q.dequantize(put, jnp.float32)),
+                                  np.asarray(Q.dequantize(q, jnp.float32)))
+    grown = Q.pad_slots(put, 2, 3)
+    assert grown.shape == (b, k, n + 3, d) and grown.centre.shape == (b, k, d)
+    assert Q.nbytes(q) == Q.nbytes(Q.quantize(jnp.asarray(x), bits, g)) + 2 * b * k * d * 2

@@ -38,7 +38,8 @@ LENGTHS = (37, 20, 45, 9, 30, 26)  # 6 ragged rows: 2x4 splits them 3 + 3, 8x1 p
 RUN = dict(block_size=8, max_new_tokens=10)
 # question-agnostic protocol (the question is padded too) and sampling (padding rows must not move real rows'
 # random draws); run on 8x1, where 6 rows become 8
-QUANT = (("int8", None), ("int4", 4))  # kv_quant, kv_group on the mesh (tests/test_kv_quant.py: the rest)
+# kv_quant, kv_group on the mesh (tests/test_kv_quant.py: the rest)
+QUANT = (("int8", None), ("int4", 4), ("int4-smooth", 4))
 EXTRA = dict(policy="valuediff", budget=12, question=[5, 9, 14, 3, 22], temperature=0.8, top_k=20)
 
 
@@ -176,6 +177,9 @@ def _child(group: str) -> dict:
                                  kv_quant="int4")
         out["specs"] |= {"quant_data": _spec(cache.layers[0].k.data),
                          "quant_scale": _spec(cache.layers[0].v.scale)}
+        cache, _ = vdjax.prefill(params, ids, "valuediff", mesh=mesh, block_size=8, budget=12,
+                                 kv_quant="int4-smooth")
+        out["specs"]["quant_centre"] = _spec(cache.layers[0].k.centre)
     else:  # data 8: rows padded 6 -> 8; 2 KV heads on a 4-way model axis: attention replicated, MLP split
         out["8x1"] = _runs(4, POLICIES, sharding.make_mesh(data=8, model=1))
         out["extra"] = _extra(sharding.make_mesh(data=8, model=1))
@@ -295,6 +299,7 @@ def test_mesh_quantized_cache_equals_single_device(results, kv_quant):
     assert have["tokens"] == want["tokens"]
     _same_kept(have["kept"], want["kept"])
     assert got["specs"]["quant_data"] == got["specs"]["quant_scale"] == ["data", "model"]
+    assert got["specs"]["quant_centre"] == ["data", "model"]  # smooth keys' calibration [B, K, D] alike
 
 
 def test_indivisible_kv_heads_replicate_attention(results):

@@ -116,7 +116,7 @@ def kv_storage(cfg, kv_quant, kv_group) -> tuple[int, int, str] | None:
     bits = kvq.kv_quant_bits(kv_quant)
     if bits is None:
         if kv_group is not None:
-            raise ValueError(f"kv_group={kv_group!r} needs kv_quant='int8' or 'int4'")
+            raise ValueError(f"kv_group={kv_group!r} needs kv_quant='int8', 'int4' or a -smooth one")
         return None
     d = cfg.head_dim
     group = d if kv_group is None else kv_group
