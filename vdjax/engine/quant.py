@@ -105,8 +105,7 @@ def kv_quant_bits(kv_quant) -> int | None:
     if isinstance(kv_quant, str) or kv_quant is None:
         if kv_quant in KV_QUANT:
             return KV_QUANT[kv_quant]
-    raise ValueError(f"kv_quant must be one of None, 'int8', 'int4', 'int8-smooth', 'int4-smooth'; got "
-                     f"{kv_quant!r}")
+    raise ValueError(f"kv_quant must be one of {', '.join(map(repr, KV_QUANT))}; got {kv_quant!r}")
 
 
 def kv_quant_layout(kv_quant) -> str:
@@ -253,8 +252,8 @@ def dequantize(q: QuantTensor, dtype=None) -> jax.Array:
     x = c * q.scale.astype(jnp.float32)[..., None] + q.zero.astype(jnp.float32)[..., None]
     x = x.reshape(q.shape)
     if q.centre is not None:  # the smooth layout: rotate back, times the factor, plus the centre
-        f, c = (a.astype(jnp.float32)[..., None, :] for a in (q.factor, q.centre))  # [..., 1, D]
-        x = _rotate(x) * f + c
+        fac, cen = (a.astype(jnp.float32)[..., None, :] for a in (q.factor, q.centre))  # [..., 1, D]
+        x = _rotate(x) * fac + cen
     return x.astype(q.dtype if dtype is None else dtype)
 
 
