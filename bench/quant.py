@@ -1,18 +1,18 @@
 #!/usr/bin/env python
 """A quantized cache against the unquantized one (issue 49): prefill and decode speed, cache bytes, peak RSS.
 
-    .venv/bin/python bench/quant.py --out results/bytes/bench.md      # SmolLM2-135M fp32, 8k prompt, ~10 min
+    .venv/bin/python bench/quant.py --out results/bytes/bench.md      # SmolLM2-135M fp32, 8k prompt, ~14 min
 
-One fresh process per `kv_quant` (None, int8, int4; `--group` channels per scale), each timing, warm (the same
-call run once before to compile it; `vdjax.engine.timing.timed_run` takes any compile time out), for
-valuediff at N = `--budget` and for dense: an 8k-token prompt of real text (bench.py's corpus) prefilled in
-blocks of 128, then 64 greedy tokens (EOS off). `prefill tok/s` = T / time to first token; `decode tok/s` =
-63 steps / decode seconds; `cache MiB` = `Generation.cache_bytes` (what the carry holds: packed integers and
-scales, or the compute dtype's keys and values); `dense fp32 MiB` = every token's keys and values unquantized
-in the compute dtype (`Generation.dense_cache_bytes`); `peak RSS` =
-the process's high-water mark (VmHWM: loading, compiling and both policies). On CPU the dequantization before
-attention is extra work, measured here; on an accelerator decode streams the cache from HBM, so its bytes read
-per step shrink with the cache (the `decode bytes/step` column: weights + this cache, the roofline's count).
+One fresh process per `kv_quant` (None, int8, int4, int4-smooth; `--group` channels per scale), each timing,
+warm (the same call run once before to compile it; `vdjax.engine.timing.timed_run` takes any compile time
+out), for valuediff at N = `--budget` and for dense: an 8k-token prompt of real text (bench.py's corpus)
+prefilled in blocks of 128, then 64 greedy tokens (EOS off). `prefill tok/s` = T / time to first token;
+`decode tok/s` = 63 steps / decode seconds; `cache MiB` = `Generation.cache_bytes` (what the carry holds:
+packed integers and scales, or the compute dtype's keys and values); `dense fp32 MiB` = every token's keys and
+values unquantized in the compute dtype (`Generation.dense_cache_bytes`); `peak RSS` = the process's
+high-water mark (VmHWM: loading, compiling and both policies). On CPU the dequantization before attention is
+extra work, measured here; on an accelerator decode streams the cache from HBM, so its bytes read per step
+shrink with the cache (the `decode bytes/step` column: weights + this cache, the roofline's count).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 import bench as B  # noqa: E402  (machine facts, corpus, RSS, formatting)
 
-QUANTS = (None, "int8", "int4")
+QUANTS = (None, "int8", "int4", "int4-smooth")
 
 
 def worker(a) -> dict:
