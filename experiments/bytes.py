@@ -30,13 +30,14 @@ GROUP = 64  # channels per scale for both models (SmolLM2's head dim; a quarter 
 BEST = {"smollm2-135m": ("hybrid", "chunkkv:hybrid", "compactor"),  # the leaderboard's best three at N = 512
         "gemma3-270m": ("chunkkv:hybrid", "kvzip", "valuediff_dir")}
 MODELS = ("gemma3-270m", "smollm2-135m")
+EXACT_25 = 1816  # int4-smooth g64 slots at 25 % of a dense bf16 2048-token cache, D = 64 and 256 (asserted)
 
 
 def jobs() -> list[tuple[str, str, str, int | None]]:
     """(model, policy, kv_quant, N) in run order: dense and each model's best policy at N = 1024 with smooth
     int4 keys, dense at int4 (= every policy at int4 N = 2048),
-    each model's best policy at int8 N = 1024, the best at 12.5 % of the bytes,
-    the other policies, then dense at int8."""
+    each model's best policy at int8 N = 1024, the best at 12.5 % of the bytes, the best at exactly 25 % with
+    int4-smooth, the other policies, then dense at int8."""
     best = {m: BEST[m][0] if m == "smollm2-135m" else "chunkkv:hybrid" for m in MODELS}
     # smooth int4 keys (fixed channel centre and factor + Hadamard rotation) first: the moonshot's lever
     out = [(m, "dense", "int4-smooth", None) for m in MODELS]
@@ -44,6 +45,8 @@ def jobs() -> list[tuple[str, str, str, int | None]]:
     out += [(m, "dense", "int4", None) for m in MODELS]
     out += [(m, best[m], "int8", 1024) for m in MODELS]
     out += [(m, best[m], q, n) for q, n in (("int4", 1024), ("int8", 512)) for m in MODELS]
+    # exactly 25 % of the bytes: int4-smooth N = 1816 (`slots_for_bytes(0.25, 2048, D, "int4-smooth", 64)`)
+    out += [(m, best[m], "int4-smooth", EXACT_25) for m in MODELS]
     rest = {m: [p for p in (*BEST[m], "valuediff", "keydiff") if p != best[m]] for m in MODELS}
     for i in range(max(len(r) for r in rest.values())):
         out += [(m, rest[m][i], "int8", 1024) for m in MODELS if i < len(rest[m])]
@@ -73,6 +76,9 @@ def main() -> None:
         for j in todo:
             print(*j)
         return
+    from vdjax.engine.quant import slots_for_bytes
+
+    assert all(slots_for_bytes(0.25, 2048, d, "int4-smooth", GROUP) == EXACT_25 for d in (64, 256))
     loaded: dict = {}
     for model, policy, q, n in todo:
         if model not in loaded:

@@ -246,6 +246,18 @@ def test_nbytes_and_bytes_per_token_exact():
         bits = Q.kv_quant_bits(kvq)
         per = Q.bytes_per_token(256, bits, g)
         assert nq * per <= 0.25 * 2048 * 512 < (nq + 1) * per
+    # the smooth layout's key centre and factor (one bf16 [D] pair per KV head) count against the budget:
+    # at 25 % of 2048 tokens, D = 256, int4 g64: 1820 slots fit the codes and scales, 1816 with calibration
+    assert Q.slots_for_bytes(0.25, 2048, 256, "int4", 64) == 1820
+    assert Q.slots_for_bytes(0.25, 2048, 256, "int4-smooth", 64) == (2 * 262144 - 1024) // (2 * 144) == 1816
+    for d, kvq, g in ((64, "int4-smooth", 64), (256, "int4-smooth", 32), (128, "int8-smooth", 64)):
+        nq = Q.slots_for_bytes(0.25, 2048, d, kvq, g)
+        bits = Q.kv_quant_bits(kvq)
+        # keys smooth, values per token: what one KV head's cache holds at nq and nq + 1 slots
+        held = [Q.nbytes(Q.empty((1, 1, n, d), bits, g, layout="smooth"))
+                + Q.nbytes(Q.empty((1, 1, n, d), bits, g))
+                for n in (nq, nq + 1)]
+        assert held[0] <= 2 * 0.25 * 2048 * Q.bytes_per_token(d, None) < held[1]
 
 
 # ---- attention over a dequantized cache -------------------------------------------------------------------

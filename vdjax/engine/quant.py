@@ -361,7 +361,8 @@ def bytes_per_token(head_dim: int, bits: int | None, group: int | None = None,
 def slots_for_bytes(fraction: float, tokens: int, head_dim: int, kv_quant=None, group: int | None = None,
                     scale_dtype=DEFAULT_SCALE_DTYPE) -> int:
     """Slots N per head whose k + v bytes at `kv_quant` fit in `fraction` of a dense bf16 cache of `tokens`
-    tokens (the largest such N, at least 1): N = floor(fraction * tokens * bf16 bytes / quantized bytes)."""
+    tokens (the largest such N, at least 1): N = floor((2 * fraction * tokens * bf16 bytes - calibration)
+    / (2 * quantized bytes)), calibration = the smooth layout's key centre + factor (2 * D scale_dtype)."""
     bits = kv_quant_bits(kv_quant)
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float, np.floating, np.integer)) or not (
             0 < fraction <= 1):
@@ -370,4 +371,5 @@ def slots_for_bytes(fraction: float, tokens: int, head_dim: int, kv_quant=None, 
         raise ValueError(f"tokens must be a positive int; got {tokens!r}")
     dense = tokens * bytes_per_token(head_dim, None)
     per = bytes_per_token(head_dim, bits, group, scale_dtype)
-    return max(1, int(Fraction(fraction) * dense // per))  # exact rational floor
+    calib = 2 * head_dim * jnp.dtype(scale_dtype).itemsize if kv_quant_layout(kv_quant) == "smooth" else 0
+    return max(1, int((2 * Fraction(fraction) * dense - calib) // (2 * per)))  # exact rational floor
