@@ -449,3 +449,27 @@ def test_smooth_layout_against_numpy(bits):
     grown = Q.pad_slots(put, 2, 3)
     assert grown.shape == (b, k, n + 3, d) and grown.centre.shape == (b, k, d)
     assert Q.nbytes(q) == Q.nbytes(Q.quantize(jnp.asarray(x), bits, g)) + 2 * b * k * d * 2
+
+
+def test_eval_budget_bytes_picks_slots_per_kv_quant():
+    """`vdjax eval --budget-bytes F` turns F into N for the run's --kv-quant (calibration counted) and refuses
+    --budgets beside it."""
+    import types
+
+    from vdjax.app.args import UsageError
+    from vdjax.app.commands import _eval_budgets
+
+    params = types.SimpleNamespace(config=types.SimpleNamespace(head_dim=256))
+
+    def pick(kvq, group, fractions, budgets=None):
+        args = types.SimpleNamespace(budget_bytes=fractions, budgets=budgets, kv_quant=kvq, kv_group=group)
+        return _eval_budgets(args, params, 2048)
+
+    assert pick(None, None, [0.25, 0.125]) == [512, 256]
+    assert pick("int8", 64, [0.25]) == [963]
+    assert pick("int4", 64, [0.25]) == [1820]
+    assert pick("int4-smooth", 64, [0.25, 0.125]) == [1816, 906]
+    assert pick("int4", None, [0.25]) == [2048 * 512 // 4 // 132]  # group None: D, 128 + 4 B a token
+    assert pick("int8", 64, None, budgets=[100]) == [100]
+    with pytest.raises(UsageError, match="--budget-bytes: give --budgets or --budget-bytes, not both"):
+        pick("int8", 64, [0.25], budgets=[100])
