@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import leaderboard_table as lt  # noqa: E402
 
-from vdjax.engine.quant import bytes_per_token, kv_quant_bits, kv_quant_layout  # noqa: E402
+from vdjax.engine.quant import bytes_per_token, calibration_bytes, kv_quant_bits  # noqa: E402
 from vdjax.eval.report import paired_difference  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent / "results"
@@ -37,8 +37,7 @@ def fraction(model: str, q: str | None, n: int | None) -> float:
     d = HEAD_DIM[model]
     bits = kv_quant_bits(q)
     per = bytes_per_token(d, bits, None if bits is None else GROUP)
-    calib = 2 * d * 2 if q is not None and kv_quant_layout(q) == "smooth" else 0  # per head, keys only
-    return ((n or 2048) * 2 * per + calib) / (2048 * 2 * bytes_per_token(d, None))
+    return ((n or 2048) * 2 * per + calibration_bytes(d, q)) / (2048 * 2 * bytes_per_token(d, None))
 
 
 def by_task(records) -> dict[str, list[float]]:

@@ -35,7 +35,8 @@ c and f (scale dtype) are stored with the tensor and counted in its bytes (2 * D
 row, not per token); results/bytes/layout*.md measure the layouts.
 
 Bytes (one token, one KV head, one of k / v): D * bits / 8 + 2 * (D / group) * itemsize(scale_dtype);
-`bytes_per_token`, `nbytes` (exact), `slots_for_bytes` (N at a fraction of a dense bf16 cache's bytes).
+`bytes_per_token`, `nbytes` (exact), `slots_for_bytes`
+(N at a fraction of a dense bf16 cache's bytes; `calibration_bytes`: the smooth keys' centre + factor).
 Arithmetic is fp32 throughout; `dequantize` casts to the requested dtype at the end.
 """
 
@@ -358,6 +359,11 @@ def bytes_per_token(head_dim: int, bits: int | None, group: int | None = None,
     return head_dim * bits // 8 + 2 * (head_dim // group) * jnp.dtype(scale_dtype).itemsize
 
 
+def calibration_bytes(head_dim: int, kv_quant, scale_dtype=DEFAULT_SCALE_DTYPE) -> int:
+    """Bytes the smooth layout's key centre + factor take per KV head (0 for the token layout)."""
+    return 2 * head_dim * jnp.dtype(scale_dtype).itemsize if kv_quant_layout(kv_quant) == "smooth" else 0
+
+
 def slots_for_bytes(fraction: float, tokens: int, head_dim: int, kv_quant=None, group: int | None = None,
                     scale_dtype=DEFAULT_SCALE_DTYPE) -> int:
     """Slots N per head whose k + v bytes at `kv_quant` fit in `fraction` of a dense bf16 cache of `tokens`
@@ -371,5 +377,5 @@ def slots_for_bytes(fraction: float, tokens: int, head_dim: int, kv_quant=None, 
         raise ValueError(f"tokens must be a positive int; got {tokens!r}")
     dense = tokens * bytes_per_token(head_dim, None)
     per = bytes_per_token(head_dim, bits, group, scale_dtype)
-    calib = 2 * head_dim * jnp.dtype(scale_dtype).itemsize if kv_quant_layout(kv_quant) == "smooth" else 0
+    calib = calibration_bytes(head_dim, kv_quant, scale_dtype)
     return max(1, int((2 * Fraction(fraction) * dense - calib) // (2 * per)))  # exact rational floor
