@@ -37,7 +37,7 @@ def jobs() -> list[tuple[str, str, str, int | None]]:
     """(model, policy, kv_quant, N) in run order: dense and each model's best policy at N = 1024 with smooth
     int4 keys, dense at int4 (= every policy at int4 N = 2048),
     each model's best policy at int8 N = 1024, the best at 12.5 % of the bytes, the best at exactly 25 % with
-    int4-smooth, the other policies, then dense at int8."""
+    int4-smooth and with int4-smooth-rot, the other policies, dense at int8, dense at int4-smooth-rot."""
     best = {m: BEST[m][0] if m == "smollm2-135m" else "chunkkv:hybrid" for m in MODELS}
     # smooth int4 keys (fixed channel centre and factor + Hadamard rotation) first: the moonshot's lever
     out = [(m, "dense", "int4-smooth", None) for m in MODELS]
@@ -47,6 +47,8 @@ def jobs() -> list[tuple[str, str, str, int | None]]:
     out += [(m, best[m], q, n) for q, n in (("int4", 1024), ("int8", 512)) for m in MODELS]
     # exactly 25 % of the bytes: int4-smooth N = 1816 (`slots_for_bytes(0.25, 2048, D, "int4-smooth", 64)`)
     out += [(m, best[m], "int4-smooth", EXACT_25) for m in MODELS]
+    # the same bytes, values Hadamard-rotated too (the next lever in results/bytes/layout*.md)
+    out += [(m, best[m], "int4-smooth-rot", EXACT_25) for m in MODELS]
     rest = {m: [p for p in (*BEST[m], "valuediff", "keydiff") if p != best[m]] for m in MODELS}
     for i in range(max(len(r) for r in rest.values())):
         out += [(m, rest[m][i], "int8", 1024) for m in MODELS if i < len(rest[m])]
@@ -54,6 +56,7 @@ def jobs() -> list[tuple[str, str, str, int | None]]:
     for q, n in (("int4", 1024), ("int8", 512)):
         for i in range(max(len(r) for r in rest.values())):
             out += [(m, rest[m][i], q, n) for m in MODELS if i < len(rest[m])]
+    out += [(m, "dense", "int4-smooth-rot", None) for m in MODELS]
     return out
 
 
@@ -78,7 +81,8 @@ def main() -> None:
         return
     from vdjax.engine.quant import slots_for_bytes
 
-    assert all(slots_for_bytes(0.25, 2048, d, "int4-smooth", GROUP) == EXACT_25 for d in (64, 256))
+    assert all(slots_for_bytes(0.25, 2048, d, q, GROUP) == EXACT_25 for d in (64, 256)
+               for q in ("int4-smooth", "int4-smooth-rot"))
     loaded: dict = {}
     for model, policy, q, n in todo:
         if model not in loaded:

@@ -98,7 +98,8 @@ def markdown(all_rows: list[dict]) -> str:
             "13 tasks x 10 samples (seed 42, the leaderboard's), paper protocol, B = 128, batch 10, greedy; "
             f"int8 / int4 with per-token groups of {GROUP} channels, bf16 scale and zero per group "
             "(int4-smooth: keys centred and divided by fixed per-channel factors calibrated on each head's "
-            "first block, Hadamard-rotated, then the same groups; values as int4); the "
+            "first block, Hadamard-rotated, then the same groups; values as int4; int4-smooth-rot: the same "
+            "keys, values Hadamard-rotated before their groups, the same bytes); the "
             "hybrid's mix: results/thesis-hybrid-ruler's at N = 512, its N = 1024 mix for N >= 1024. "
             "bytes: % of a dense bf16 cache of 2048 tokens. % of dense: of dense bf16 over the row's "
             "finished tasks. Differences: score points, quantized row minus the bf16 row of the same policy "
@@ -128,7 +129,8 @@ def figure(all_rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-    colors = {"bf16": "tab:blue", "int8": "tab:orange", "int4": "tab:green", "int4-smooth": "tab:red"}
+    colors = {"bf16": "tab:blue", "int8": "tab:orange", "int4": "tab:green", "int4-smooth": "tab:red",
+              "int4-smooth-rot": "tab:purple"}
     for ax, model in zip(axes, WANTED, strict=True):
         for q, c in colors.items():
             for policy, marker in ((BEST[model], "o"), ("dense", "*")):

@@ -84,9 +84,8 @@ def fake_quant(x, bits, layout, group, sd):
         return y * amp + mid
     if layout == "token":
         return Q.dequantize(Q.quantize(x, bits, group, SCALE_DTYPES[sd]), jnp.float32)
-    if layout == "hadamard":  # rotation only: centre 0, factor 1
-        ones = jnp.ones(x.shape[:1] + x.shape[2:], SCALE_DTYPES[sd])  # [K, D]
-        return Q.dequantize(Q.quantize(x, bits, group, SCALE_DTYPES[sd], 0 * ones, ones), jnp.float32)
+    if layout == "hadamard":  # rotation only: the library's rotate layout (int4-smooth-rot's values)
+        return Q.dequantize(Q.quantize(x, bits, group, SCALE_DTYPES[sd], rotate=True), jnp.float32)
     if layout == "smoothH":  # the library's smooth layout, calibrated on the first CALIB tokens
         written = jnp.broadcast_to(jnp.arange(x.shape[1]) < CALIB, x.shape[:2])  # [K, T]
         c, f = Q.calibrate(x, written, SCALE_DTYPES[sd])

@@ -133,7 +133,7 @@ def test_layer_scan_equals_unrolled(model):
 def test_errors(model):
     params, ids = model
     with pytest.raises(ValueError, match="kv_quant must be one of None, 'int8', 'int4', 'int8-smooth', "
-                                         "'int4-smooth'; got 'int3'"):
+                                         "'int4-smooth', 'int8-smooth-rot', 'int4-smooth-rot'; got 'int3'"):
         vdjax.generate(params, ids, "valuediff", budget=12, kv_quant="int3")
     with pytest.raises(ValueError, match="kv_group must be a positive divisor of head_dim=16; got 5"):
         vdjax.generate(params, ids, "valuediff", budget=12, kv_quant="int8", kv_group=5)
@@ -141,28 +141,32 @@ def test_errors(model):
         vdjax.generate(params, ids, "valuediff", budget=12, kv_group=8)
 
 
-@pytest.mark.parametrize("kv_quant", ["int8-smooth", "int4-smooth"])
+@pytest.mark.parametrize("kv_quant", ["int8-smooth", "int4-smooth", "int4-smooth-rot"])
 def test_smooth_keys_calibrate_on_the_first_block(model, kv_quant):
     """The smooth layout: layer 0's key centre and factor are `calibrate` of the first block's keys (the
     first tokens written), its key codes `quantize` of all the unquantized keys with them; values stay in
-    the token layout; logits close to the unquantized cache's."""
+    the token layout (-smooth-rot: the rotate layout, codes `quantize(v, rotate=True)`); logits close to the
+    unquantized cache's."""
     params, ids = model
     row = ids[0]
     cache, _ = vdjax.prefill(params, row, "valuediff", budget=64, block_size=8, kv_quant=kv_quant)
     k_ref, v_ref = layer0_kv(params, np.asarray(row))  # [K, T, D]
     k, v = cache.layers[0].k, cache.layers[0].v
-    assert k.layout == "smooth" and v.layout == "token" and v.centre is None
+    rot = kv_quant.endswith("-rot")
+    assert k.layout == "smooth" and v.layout == ("rotate" if rot else "token") and v.centre is None
     c, f = quant.calibrate(jnp.asarray(k_ref)[None, :, :8], jnp.ones((1, CFG.num_kv_heads, 8), bool))
     np.testing.assert_array_equal(np.asarray(k.centre), np.asarray(c))
     np.testing.assert_array_equal(np.asarray(k.factor), np.asarray(f))
     want = quant.quantize(jnp.asarray(k_ref)[None], k.bits, k.group, k.scale_dtype, c, f)
+    want_v = quant.quantize(jnp.asarray(v_ref)[None], v.bits, v.group, v.scale_dtype, rotate=rot)
     pos = np.asarray(cache.layers[0].pos)[0]
     for h in range(CFG.num_kv_heads):
         slots = np.argsort(np.where(pos[h] >= 0, pos[h], 1 << 30))[: len(row)]
-        got = np.asarray(quant.codes_of(k))[0, h][slots].astype(int)
-        ref = np.asarray(quant.codes_of(want))[0, h].astype(int)
-        # in-program and eager fp32 rotations may differ in the last ulp: a code may move by one
-        assert (got == ref).mean() > 0.99 and np.abs(got - ref).max() <= 1
+        for stored, ref_q in ((k, want), (v, want_v)):
+            got = np.asarray(quant.codes_of(stored))[0, h][slots].astype(int)
+            ref = np.asarray(quant.codes_of(ref_q))[0, h].astype(int)
+            # in-program and eager fp32 rotations may differ in the last ulp: a code may move by one
+            assert (got == ref).mean() > 0.99 and np.abs(got - ref).max() <= 1
     ref_cache, ref_logits = vdjax.prefill(params, ids, "dense", block_size=8)
     plain = vdjax.prefill(params, ids, "valuediff", budget=64, block_size=8, kv_quant=kv_quant[:4])[1]
     _, logits = vdjax.prefill(params, ids, "valuediff", budget=64, block_size=8, kv_quant=kv_quant)
@@ -184,6 +188,11 @@ def test_smooth_keys_compose_and_count_their_calibration(model):
         assert a.cache_bytes - b.cache_bytes == CFG.num_layers * len(ids) * heads * 16 * 2 * 2
         assert np.asarray(a.cache.valid_counts()).sum(-1).max() <= 2 * (budget or 64)
         assert all(lc.k.factor is not None and (np.asarray(lc.k.factor) > 0).all() for lc in a.cache.layers)
+        if policy in ("valuediff", "adakv:valuediff"):  # values rotated too: the same bytes and slots
+            r = vdjax.run(params, ids, policy, budget=budget, kv_quant="int4-smooth-rot", kv_group=8, **RUN)
+            assert r.cache_bytes == a.cache_bytes and all(lc.v.layout == "rotate" for lc in r.cache.layers)
+            counts = [np.asarray(g.cache.valid_counts()).sum(-1) for g in (r, a)]  # a pool splits by score
+            np.testing.assert_array_equal(*counts)
     u = vdjax.run(params, ids, "valuediff", budget=12, kv_quant="int4-smooth", layer_scan=False, **RUN)
     s = vdjax.run(params, ids, "valuediff", budget=12, kv_quant="int4-smooth", layer_scan=True, **RUN)
     assert (u.tokens == s.tokens).all()

@@ -329,12 +329,14 @@ def test_everything_jits_and_agrees():
 # ---- errors ------------------------------------------------------------------------------------------------
 
 def test_errors_name_argument_value_and_allowed():
-    assert [Q.kv_quant_bits(v) for v in (None, "int8", "int4", "int8-smooth", "int4-smooth")] == [
-        None, 8, 4, 8, 4]
-    assert [Q.kv_quant_layout(v) for v in (None, "int4", "int4-smooth")] == ["token", "token", "smooth"]
-    for bad in ("int3", "fp8", "INT8", 8, True, "int4-smoth"):
+    names = (None, "int8", "int4", "int8-smooth", "int4-smooth", "int8-smooth-rot", "int4-smooth-rot")
+    assert [Q.kv_quant_bits(v) for v in names] == [None, 8, 4, 8, 4, 8, 4]
+    assert [Q.kv_quant_layout(v) for v in names] == ["token"] * 3 + ["smooth"] * 4
+    assert [Q.kv_value_layout(v) for v in names] == ["token"] * 5 + ["rotate"] * 2
+    for bad in ("int3", "fp8", "INT8", 8, True, "int4-smoth", "int4-rot"):
         with pytest.raises(ValueError, match=r"kv_quant must be one of None, 'int8', 'int4', 'int8-smooth', "
-                                             r"'int4-smooth'; got") as e:
+                                             r"'int4-smooth', 'int8-smooth-rot', 'int4-smooth-rot'; "
+                                             r"got") as e:
             Q.kv_quant_bits(bad)
         assert repr(bad) in str(e.value)
     x = jnp.zeros((1, 1, 2, 64))
@@ -358,7 +360,9 @@ def test_errors_name_argument_value_and_allowed():
         Q.slots_for_bytes(0.5, 0, 64, "int8")
     with pytest.raises(ValueError, match=r"head_dim must be a power of two; got head_dim=48"):
         Q.empty((1, 1, 2, 48), 8, 16, layout="smooth")
-    with pytest.raises(ValueError, match=r"layout must be one of \('token', 'smooth'\); got 'channel'"):
+    with pytest.raises(ValueError, match=r"head_dim must be a power of two; got head_dim=48"):
+        Q.quantize(jnp.zeros((1, 1, 2, 48)), 8, 16, rotate=True)
+    with pytest.raises(ValueError, match=r"layout must be one of \('token', 'smooth', 'rotate'\); got 'chan"):
         Q.empty((1, 1, 2, 64), 8, 16, layout="channel")
     q8, q4 = Q.quantize(x, 8, 32), Q.quantize(x, 4, 32)
     c, f = Q.calibrate(x, jnp.ones((1, 1, 2), bool))
@@ -366,6 +370,10 @@ def test_errors_name_argument_value_and_allowed():
         Q.put_slots(q8, jnp.zeros((1, 1, 2), jnp.int32), Q.quantize(x, 8, 32, centre=c, factor=f))
     with pytest.raises(ValueError, match=r"put_slots: new must be quantized like the buffer"):
         Q.put_slots(q8, jnp.zeros((1, 1, 2), jnp.int32), q4)
+    with pytest.raises(ValueError, match=r"put_slots: new must be quantized like the buffer .* layout"):
+        Q.put_slots(q8, jnp.zeros((1, 1, 2), jnp.int32), Q.quantize(x, 8, 32, rotate=True))
+    with pytest.raises(ValueError, match=r"quantize: rotate=True is the rotate layout, centre/factor the"):
+        Q.quantize(x, 8, 32, centre=c, factor=f, rotate=True)
 
 
 # ---- the smooth key layout ---------------------------------------------------------------------------------
@@ -451,6 +459,45 @@ def test_smooth_layout_against_numpy(bits):
     assert Q.nbytes(q) == Q.nbytes(Q.quantize(jnp.asarray(x), bits, g)) + 2 * b * k * d * 2
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_rotate_layout_against_numpy(bits):
+    """The rotate layout (the -smooth-rot names' values): codes, scales and the read-back equal a NumPy
+    reference, y = x @ H quantized per token and x^ = y^ @ H; the same bytes as the token layout and less
+    error on heavy-tailed vectors; slot gathers and writes keep the layout."""
+    b, k, n, d, g = 2, 2, 24, 32, 16
+    # heavy-tailed entries (Student t, 2 degrees of freedom): a few large channels a token, in no fixed place
+    x = np.random.default_rng(12).standard_t(2, (b, k, n, d)).astype(np.float32)
+    h = ref_hadamard(d)
+    q = Q.quantize(jnp.asarray(x), bits, g, rotate=True)
+    assert q.layout == "rotate" and q.centre is None and q.factor is None
+    codes, scale, zero = ref_quantize(x @ h, bits, g, jnp.bfloat16)
+    got = np.asarray(Q.codes_of(q))
+    # fp32 matmul order may move a value across a rounding boundary: nearly every code equal, none off by 2
+    assert (got == codes).mean() > 0.995 and np.abs(got.astype(int) - codes).max() <= 1
+    sc, zr = (np.asarray(a).astype(np.float32) for a in (q.scale, q.zero))
+    np.testing.assert_allclose(sc, scale.astype(np.float32), rtol=1e-2)
+    want = ref_dequantize(got, sc, zr, g) @ h
+    back = np.asarray(Q.dequantize(q, jnp.float32))
+    # fp32 sums of D terms as large as the largest channel: the tolerance scales with it
+    np.testing.assert_allclose(back, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+    # H orthogonal: the error's 2-norm per token is the rotated error's, <= sqrt(D) * max scale / 2
+    err = np.linalg.norm(back - x, axis=-1)
+    bound = np.sqrt(d) * np.asarray(q.scale).astype(np.float32).max(-1) / 2 * (1 + 1e-3) + 1e-5
+    assert (err <= bound).all()
+    plain = np.asarray(Q.dequantize(Q.quantize(jnp.asarray(x), bits, g), jnp.float32))
+    assert np.linalg.norm(back - x) < 0.85 * np.linalg.norm(plain - x)
+    assert Q.nbytes(q) == Q.nbytes(Q.quantize(jnp.asarray(x), bits, g))
+    e = Q.empty((b, k, n, d), bits, g, layout="rotate")
+    assert float(jnp.abs(Q.dequantize(e)).max()) == 0 and e.layout == "rotate" and Q.nbytes(e) == Q.nbytes(q)
+    dest = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[::-1], (b, k, n))
+    put = Q.put_slots(e, dest, Q.quantize_like(e, jnp.asarray(x)))
+    assert put.layout == "rotate"
+    np.testing.assert_array_equal(np.asarray(Q.dequantize(put, jnp.float32)), back[..., ::-1, :])
+    idx = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[::-1][:5], (b, k, 5))
+    np.testing.assert_array_equal(np.asarray(Q.dequantize(Q.take_slots(put, idx), jnp.float32)),
+                                  back[..., :5, :])
+
+
 def test_eval_budget_bytes_picks_slots_per_kv_quant():
     """`vdjax eval --budget-bytes F` turns F into N for the run's --kv-quant (calibration counted) and refuses
     --budgets beside it."""
@@ -469,6 +516,7 @@ def test_eval_budget_bytes_picks_slots_per_kv_quant():
     assert pick("int8", 64, [0.25]) == [963]
     assert pick("int4", 64, [0.25]) == [1820]
     assert pick("int4-smooth", 64, [0.25, 0.125]) == [1816, 906]
+    assert pick("int4-smooth-rot", 64, [0.25]) == [1816]  # values rotated: no extra bytes
     assert pick("int4", None, [0.25]) == [2048 * 512 // 4 // 132]  # group None: D, 128 + 4 B a token
     assert pick("int8", 64, None, budgets=[100]) == [100]
     with pytest.raises(UsageError, match="--budget-bytes: give --budgets or --budget-bytes, not both"):

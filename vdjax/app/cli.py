@@ -41,9 +41,11 @@ def _add_model_args(p, default: str = "smollm2-135m") -> None:
 
 def _add_kv_args(p) -> None:
     """--kv-quant, --kv-group."""
-    p.add_argument("--kv-quant", choices=("int8", "int4", "int8-smooth", "int4-smooth"),
+    p.add_argument("--kv-quant", choices=("int8", "int4", "int8-smooth", "int4-smooth", "int8-smooth-rot",
+                                          "int4-smooth-rot"),
                    help="store keys and values quantized (per-token groups, scales; int4 two per byte; "
-                        "-smooth: keys centred, smoothed per channel and Hadamard-rotated first)")
+                        "-smooth: keys centred, smoothed per channel and Hadamard-rotated first; -rot: "
+                        "values Hadamard-rotated too)")
     p.add_argument("--kv-group", type=POSITIVE, help="channels per scale (default: the head dim)")
 
 

@@ -116,7 +116,7 @@ class Generation:
     # per-head budget of each layer as evicted to (N, min(N, W - 1) on a sliding layer, PyramidKV's or the
     # sequence's N_l; 0: no KV cache); None for dense
     layer_budgets: tuple[int, ...] | None = None
-    kv_quant: str | None = None  # the cache's storage: None (the compute dtype), "int8", "int4"
+    kv_quant: str | None = None  # the cache's storage: None (the compute dtype) or a `quant.KV_QUANT` name
     cache_bytes: int = 0  # keys and values as stored (a quantized cache's codes + scales + zeros)
     dense_cache_bytes: int = 0  # keys and values of every token seen, unquantized in the compute dtype
 
@@ -215,7 +215,9 @@ def run(
     stores keys and values as codes with per-token, per-group scales and zeros (`engine.quant`; int4 two
     codes a byte), quantized as each block's and each step's tokens are written and dequantized where
     attention and the scores read them; the prefill then runs in blocks for every policy (dense too), each
-    attending to the cache as stored. `Generation.cache_bytes` counts what is stored.
+    attending to the cache as stored. `Generation.cache_bytes` counts what is stored. `"int8-smooth"` /
+    `"int4-smooth"`: keys smoothed per channel and rotated (`engine.quant`'s smooth layout); `"-smooth-rot"`:
+    values rotated too.
     """
     max_new = check_int("max_new_tokens", max_new_tokens)
     min_new = check_int("min_new_tokens", min_new_tokens, 0)

@@ -93,10 +93,10 @@ class LayerCache:
 
     @classmethod
     def empty(cls, batch: int, kv_heads: int, slots: int, head_dim: int, dtype, pooled: bool = False,
-              quant: tuple[int, int, str] | None = None) -> LayerCache:
+              quant: tuple[int, int, str, str] | None = None) -> LayerCache:
         """`slots` empty slots per head, or (`pooled`) one pool of kv_heads * slots slots; `quant` (bits,
-        group, key layout): keys and values stored as `quant.QuantTensor`s (codes + per-group scales), never
-        in `dtype` (values always in the token layout)."""
+        group, key layout, value layout): keys and values stored as `quant.QuantTensor`s (codes + per-group
+        scales), never in `dtype`."""
         shape = (batch, 1, kv_heads * slots) if pooled else (batch, kv_heads, slots)
 
         def kv(layout=kvq.LAYOUT):
@@ -104,7 +104,8 @@ class LayerCache:
                 return jnp.zeros(shape + (head_dim,), dtype)
             return kvq.empty(shape + (head_dim,), quant[0], quant[1], dtype, layout=layout)
 
-        return cls(k=kv(kvq.LAYOUT if quant is None else quant[2]), v=kv(),
+        k_layout, v_layout = (kvq.LAYOUT, kvq.LAYOUT) if quant is None else quant[2:]
+        return cls(k=kv(k_layout), v=kv(v_layout),
                    pos=jnp.full(shape, -1, jnp.int32), acc=jnp.zeros(shape, jnp.float32),
                    head=jnp.full(shape, -1, jnp.int32) if pooled else None,
                    kv_heads=kv_heads if pooled else 0)

@@ -110,23 +110,24 @@ class Plan:
     scan: bool  # scan over layer groups (`default_layer_scan`) instead of unrolling the layers
 
 
-def kv_storage(cfg, kv_quant, kv_group) -> tuple[int, int, str] | None:
-    """(bits, group, key layout) of a quantized cache (`quant.QuantTensor`: `kv_group` channels per scale,
-    None = the head dim), None for kv_quant=None; a ValueError naming the argument otherwise."""
+def kv_storage(cfg, kv_quant, kv_group) -> tuple[int, int, str, str] | None:
+    """(bits, group, key layout, value layout) of a quantized cache (`quant.QuantTensor`: `kv_group` channels
+    per scale, None = the head dim), None for kv_quant=None; a ValueError naming the argument otherwise."""
     bits = kvq.kv_quant_bits(kv_quant)
     if bits is None:
         if kv_group is not None:
-            raise ValueError(f"kv_group={kv_group!r} needs kv_quant='int8', 'int4' or a -smooth one")
+            raise ValueError(f"kv_group={kv_group!r} needs kv_quant='int8', 'int4' or a -smooth(-rot) one")
         return None
     d = cfg.head_dim
     group = d if kv_group is None else kv_group
     if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or group < 1 or d % group:
         raise ValueError(f"kv_group must be a positive divisor of head_dim={d}; got {kv_group!r}")
-    layout = kvq.kv_quant_layout(kv_quant)
+    layout, v_layout = kvq.kv_quant_layout(kv_quant), kvq.kv_value_layout(kv_quant)
     if layout == "smooth" and d & (d - 1):
-        raise ValueError(f"kv_quant={kv_quant!r} rotates keys by a Hadamard matrix: it needs a power-of-two "
-                         f"head_dim; this model's is {d} (use {kv_quant.split('-')[0]!r})")
-    return bits, int(group), layout
+        what = "keys and values" if v_layout == "rotate" else "keys"
+        raise ValueError(f"kv_quant={kv_quant!r} rotates {what} by a Hadamard matrix: it needs a "
+                         f"power-of-two head_dim; this model's is {d} (use {kv_quant.split('-')[0]!r})")
+    return bits, int(group), layout, v_layout
 
 
 def plan(params, ids, policy: Policy | str, budget, block_size, extra_tokens=0, attention_mask=None,

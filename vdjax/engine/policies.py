@@ -182,8 +182,9 @@ class BoundPolicy:
     # per-head budget of every layer (0 on a layer without a KV cache) when they differ by layer: the budget
     # sequence, or the policy's layer rule applied to the prompt length (`for_length`); None: uniform
     layer_budgets: tuple[int, ...] | None = None
-    # the cache's storage: None (the compute dtype) or (bits, group) of `quant.QuantTensor` keys and values
-    quant: tuple[int, int] | None = None
+    # the cache's storage: None (the compute dtype) or (bits, group, key layout, value layout) of
+    # `quant.QuantTensor` keys and values (`inputs.kv_storage`)
+    quant: tuple[int, int, str, str] | None = None
 
     def for_length(self, cfg, t: int) -> BoundPolicy:
         """Bound with the per-layer budgets of a prompt of t tokens filled in: the policy's layer rule (e.g.

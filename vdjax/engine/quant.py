@@ -34,6 +34,11 @@ as the per-token quantization of y = ((x - c) / f) @ H and read as x = (y @ H) *
 c and f (scale dtype) are stored with the tensor and counted in its bytes (2 * D * itemsize per head and
 row, not per token); results/bytes/layout*.md measure the layouts.
 
+Rotated values (`kv_quant="int8-smooth-rot"` / `"int4-smooth-rot"`: keys smooth as above, values in the
+"rotate" layout): a value is stored as the per-token quantization of y = x @ H and read as x = y @ H. No
+calibration and no extra bytes; the rotation spreads a token's few large channels over all of them, so its
+groups' ranges shrink (layout*.md: 1.2-1.3x less value error at int4; smoothing values like keys is worse).
+
 Bytes (one token, one KV head, one of k / v): D * bits / 8 + 2 * (D / group) * itemsize(scale_dtype);
 `bytes_per_token`, `nbytes` (exact), `slots_for_bytes`
 (N at a fraction of a dense bf16 cache's bytes; `calibration_bytes`: the smooth keys' centre + factor).
@@ -50,13 +55,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-KV_QUANT = {None: None, "int8": 8, "int4": 4, "int8-smooth": 8, "int4-smooth": 4}  # name -> bits
+KV_QUANT = {None: None, "int8": 8, "int4": 4, "int8-smooth": 8, "int4-smooth": 4,  # name -> bits
+            "int8-smooth-rot": 8, "int4-smooth-rot": 4}
 SMOOTH = 0.5  # the smooth layout's factor exponent: f = half-range ** SMOOTH (0.5 measured best, layout.md)
 FLOOR = 1e-3  # a channel's calibrated half-range at least FLOOR times the head's largest (f stays finite)
 BITS = (8, 4)
 DEFAULT_SCALE_DTYPE = jnp.bfloat16  # see the module docstring and results/bytes/layout.md
 LAYOUT = "token"  # groups of `group` consecutive channels within one token's head vector
-LAYOUTS = ("token", "smooth")
+LAYOUTS = ("token", "smooth", "rotate")
 
 
 @flax.struct.dataclass
@@ -101,7 +107,7 @@ class QuantTensor:
 # ---- validation -------------------------------------------------------------------------------------------
 
 def kv_quant_bits(kv_quant) -> int | None:
-    """Bits of a kv_quant name (None -> None, "int8"/"int8-smooth" -> 8, "int4"/"int4-smooth" -> 4);
+    """Bits of a kv_quant name (None -> None, "int8"/"int8-smooth"/"int8-smooth-rot" -> 8, "int4"... -> 4);
     ValueError for anything else."""
     if isinstance(kv_quant, str) or kv_quant is None:
         if kv_quant in KV_QUANT:
@@ -110,10 +116,15 @@ def kv_quant_bits(kv_quant) -> int | None:
 
 
 def kv_quant_layout(kv_quant) -> str:
-    """The key layout of a kv_quant name: "smooth" for the -smooth names, else "token" (values: always
-    "token")."""
+    """The key layout of a kv_quant name: "smooth" for the -smooth and -smooth-rot names, else "token"."""
     kv_quant_bits(kv_quant)
-    return "smooth" if str(kv_quant).endswith("-smooth") else "token"
+    return "smooth" if "-smooth" in str(kv_quant) else "token"
+
+
+def kv_value_layout(kv_quant) -> str:
+    """The value layout of a kv_quant name: "rotate" for the -rot names, else "token"."""
+    kv_quant_bits(kv_quant)
+    return "rotate" if str(kv_quant).endswith("-rot") else "token"
 
 
 def _check_bits(bits) -> int:
@@ -196,7 +207,7 @@ def recalibrated(q: QuantTensor, x: jax.Array, written: jax.Array) -> QuantTenso
 
 def quantize_like(q: QuantTensor, x: jax.Array) -> QuantTensor:
     """x [..., S, D] quantized as q is stored (bits, group, scale dtype, layout and q's calibration)."""
-    return quantize(x, q.bits, q.group, q.scale_dtype, q.centre, q.factor)
+    return quantize(x, q.bits, q.group, q.scale_dtype, q.centre, q.factor, rotate=q.layout == "rotate")
 
 
 # ---- quantize / dequantize --------------------------------------------------------------------------------
@@ -211,18 +222,23 @@ def _outward(v: jax.Array, ref: jax.Array, dtype, up: bool) -> jax.Array:
 
 
 def quantize(x: jax.Array, bits: int, group: int | None = None, scale_dtype=DEFAULT_SCALE_DTYPE,
-             centre: jax.Array | None = None, factor: jax.Array | None = None) -> QuantTensor:
+             centre: jax.Array | None = None, factor: jax.Array | None = None,
+             rotate: bool = False) -> QuantTensor:
     """x [..., N, D] -> QuantTensor (per-token groups of `group` channels; None = D): asymmetric min/max.
     With centre and factor [..., D] (the smooth layout): ((x - centre) / factor) @ H quantized instead (a
-    factor 0, not calibrated, counts as 1)."""
+    factor 0, not calibrated, counts as 1); with `rotate` (the rotate layout): x @ H."""
     bits = _check_bits(bits)
     d = x.shape[-1]
     group = _check_group(group, d, bits)
+    if rotate and centre is not None:
+        raise ValueError("quantize: rotate=True is the rotate layout, centre/factor the smooth one; not both")
     levels = float(2**bits - 1)
     xf = x.astype(jnp.float32)
     if centre is not None:
         f = factor.astype(jnp.float32)[..., None, :]  # [..., 1, D]
         xf = _rotate((xf - centre.astype(jnp.float32)[..., None, :]) / jnp.where(f > 0, f, 1.0))
+    elif rotate:
+        xf = _rotate(xf)
     xf = xf.reshape(x.shape[:-1] + (d // group, group))  # [..., N, G, g]
     mn = jnp.min(xf, axis=-1)  # [..., N, G]
     mx = jnp.max(xf, axis=-1)
@@ -237,8 +253,9 @@ def quantize(x: jax.Array, bits: int, group: int | None = None, scale_dtype=DEFA
     codes = jnp.clip(jnp.round((xf - zf[..., None]) * inv[..., None]), 0, levels).astype(jnp.uint8)
     codes = codes.reshape(x.shape)  # [..., N, D]
     data = pack_int4(codes) if bits == 4 else codes
+    layout = "smooth" if centre is not None else "rotate" if rotate else LAYOUT
     return QuantTensor(data, scale, zero, bits=bits, group=group, dtype=jnp.dtype(x.dtype),
-                       layout=LAYOUT if centre is None else "smooth", centre=centre, factor=factor)
+                       layout=layout, centre=centre, factor=factor)
 
 
 def codes_of(q: QuantTensor) -> jax.Array:
@@ -255,13 +272,15 @@ def dequantize(q: QuantTensor, dtype=None) -> jax.Array:
     if q.centre is not None:  # the smooth layout: rotate back, times the factor, plus the centre
         fac, cen = (a.astype(jnp.float32)[..., None, :] for a in (q.factor, q.centre))  # [..., 1, D]
         x = _rotate(x) * fac + cen
+    elif q.layout == "rotate":
+        x = _rotate(x)
     return x.astype(q.dtype if dtype is None else dtype)
 
 
 def empty(shape, bits: int, group: int | None = None, dtype=jnp.bfloat16,
           scale_dtype=DEFAULT_SCALE_DTYPE, layout: str = LAYOUT) -> QuantTensor:
     """An all-zero QuantTensor of logical shape [..., N, D] (dequantizes to zeros, as `LayerCache.empty`);
-    the smooth layout not calibrated yet (centre, factor [..., D] zeros)."""
+    the smooth layout not calibrated yet (centre, factor [..., D] zeros); the rotate layout as the token's."""
     bits = _check_bits(bits)
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
@@ -271,8 +290,9 @@ def empty(shape, bits: int, group: int | None = None, dtype=jnp.bfloat16,
     lead = shape[:-1]
     groups = lead + (d // group,)
     calib = {}
-    if layout == "smooth":
+    if layout != LAYOUT:
         hadamard(d)  # a power of two
+    if layout == "smooth":
         calib = {name: jnp.zeros(lead[:-1] + (d,), scale_dtype) for name in ("centre", "factor")}
     return QuantTensor(jnp.zeros(lead + (d * bits // 8,), jnp.uint8), jnp.zeros(groups, scale_dtype),
                        jnp.zeros(groups, scale_dtype), bits=bits, group=group, dtype=jnp.dtype(dtype),
