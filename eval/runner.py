@@ -545,7 +545,11 @@ def evaluate(params, tokenizer, benchmark: str | ModuleType, *, model_name: str,
                 loop.run(spec.evicting_configs(by_budget))
         finally:
             loop.close()
-    meta["invocations"][-1]["finished"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    if loop.written:
+        now = datetime.datetime.now().astimezone()
+        meta["invocations"][-1]["finished"] = now.isoformat(timespec="seconds")
+    else:  # a resume with nothing left to run leaves no record (a crash before any line keeps its "started")
+        meta["invocations"].pop()
     write_json(meta_path, meta)
     return out.path
 

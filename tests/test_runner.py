@@ -218,6 +218,7 @@ def test_resume_after_crash(tiny, reference, tmp_path, monkeypatch):
     seen.clear()
     _run(tiny, tmp_path)
     assert seen == [] and len(path.read_text().splitlines()) == 40
+    assert len(json.loads((path.parent / "run.json").read_text())["invocations"]) == 2  # no empty record
 
 
 def test_read_predictions_repairs_only_the_tail(tmp_path):
