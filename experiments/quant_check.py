@@ -36,7 +36,10 @@ def prompts(tok, length: int) -> list[tuple[str, np.ndarray]]:
     return out
 
 
-def check(model: str, length: int, new: int, group: int) -> list[list]:
+QUANTS = ("int8", "int4", "int8-smooth", "int4-smooth", "int8-smooth-rot", "int4-smooth-rot")
+
+
+def check(model: str, length: int, new: int, group: int, quants=QUANTS) -> list[list]:
     """One table row per kv_quant: prompts with equal tokens, mean first difference, logit errors."""
     params, tok = vdjax.load(model), vdjax.load_tokenizer(model)
     ps = prompts(tok, length)
@@ -46,7 +49,7 @@ def check(model: str, length: int, new: int, group: int) -> list[list]:
         gen = vdjax.generate(params, ids, policy="dense", max_new_tokens=new, eos_token_id=[])
         base[task] = (np.asarray(logits[0], np.float64), np.asarray(gen[0]))
     rows = []
-    for q in ("int8", "int4", "int8-smooth", "int4-smooth"):
+    for q in quants:
         equal, first, rel, agree = 0, [], [], 0
         t0 = time.perf_counter()
         for task, ids in ps:
@@ -72,9 +75,11 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=1024)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--group", type=int, default=64)
+    ap.add_argument("--quants", default=",".join(QUANTS), help="comma-separated kv_quant names")
     ap.add_argument("--out", default="results/bytes/equality.md")
     a = ap.parse_args()
-    rows = [r for m in MODELS for r in check(m, a.length, a.new, a.group)]
+    quants = a.quants.split(",")
+    rows = [r for m in MODELS for r in check(m, a.length, a.new, a.group, quants)]
     head = ["model", "kv_quant", "group", "prompts with all tokens equal",
             f"mean first difference (of {a.new})",
             "last-position argmax equal", "logit error mean", "logit error max", "s"]
@@ -88,7 +93,8 @@ def main() -> None:
             f"over the vocabulary at the last prompt position (mean and max over prompts).\n\n"
             + "| " + " | ".join(head) + " |\n|" + "---|" * len(head) + "\n"
             + "".join("| " + " | ".join(str(c) for c in r) + " |\n" for r in rows)
-            + f"\nCommand: `JAX_PLATFORMS=cpu .venv/bin/python experiments/quant_check.py --out {a.out}`\n")
+            + "\nCommand: `JAX_PLATFORMS=cpu .venv/bin/python experiments/quant_check.py "
+              f"--quants {a.quants} --out {a.out}`\n")
     print(text)
     Path(a.out).write_text(text)
 
