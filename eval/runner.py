@@ -26,8 +26,7 @@ k lines per (sample, config), `draw` 0..k-1, each from its own key (seed, sample
 not depend on what shares its batch, so a resumed run redraws exactly what was missing.
 
 Protocols (see `vdjax.eval.sample`): `paper` block-prefills context + question; `question_agnostic`
-block-prefills the context only and appends the question afterwards
-(`vdjax.run(..., question=...)`). """
+block-prefills the context only and appends the question afterwards (`vdjax.run(..., question=...)`). """
 
 from __future__ import annotations
 
@@ -55,14 +54,12 @@ BENCHMARKS = ("ruler", "longbench", "math500")
 # a resumed run must agree with the file on these (other fields may change between runs: tasks, budgets, ...)
 RUN_FIELDS = ("benchmark", "model", "length", "seed", "protocol", "block_size", "sampling", "kv_quant",
               "kv_group")
-# prefill_s / decode_s: wall time of the whole batch's call (`batch` rows), jit compilation taken out
-# (compile_s); prefill_s is the time to the first token.
+# prefill_s / decode_s: the batch call's wall time less jit compilation (compile_s); prefill_s: to 1st token
 RECORD_FIELDS = (
     "benchmark", "task", "sample_id", "draw", "model", "length", "seed", "protocol", "sampling", "policy",
     "budget", "budget_fraction", "block_size", "hyper", "prediction", "answers", "score", "metric",
     "input_tokens", "new_tokens", "truncated", "prefill_s", "decode_s", "compile_s", "batch", "vdjax_commit",
-    "fingerprint", "layer_budgets", "kv_quant", "kv_group", "cache_bytes", "dense_cache_bytes",
-)
+    "fingerprint", "layer_budgets", "kv_quant", "kv_group", "cache_bytes", "dense_cache_bytes")
 SAMPLING_KEYS = ("temperature", "top_k", "top_p")
 
 
@@ -469,7 +466,6 @@ def frozen_budgets(spec: Spec, meta: dict, dense_lengths: Sequence[int]) -> dict
     return out
 
 
-# ---- run.json ---------------------------------------------------------------------------------------------
 # ---- the run ----------------------------------------------------------------------------------------------
 def evaluate(params, tokenizer, benchmark: str | ModuleType, *, model_name: str, policies: Sequence[str],
              budgets: Sequence[int] | Sequence[float] | None, length: int, num_samples: int,
@@ -545,10 +541,10 @@ def evaluate(params, tokenizer, benchmark: str | ModuleType, *, model_name: str,
                 loop.run(spec.evicting_configs(by_budget))
         finally:
             loop.close()
-    if loop.written:
-        now = datetime.datetime.now().astimezone()
-        meta["invocations"][-1]["finished"] = now.isoformat(timespec="seconds")
-    else:  # a resume with nothing left to run leaves no record (a crash before any line keeps its "started")
+    now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    if loop.written:  # a resume with nothing left to run leaves no record (a crash keeps its "started")
+        meta["invocations"][-1]["finished"] = now
+    else:
         meta["invocations"].pop()
     write_json(meta_path, meta)
     return out.path
