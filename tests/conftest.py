@@ -14,6 +14,10 @@ os.environ.setdefault("VDJAX_COMPILE_CACHE", "0")
 # try a TPU backend at start-up in every worker: warnings, and libtpu's one-process lock
 # (/tmp/libtpu_lockfile) taken.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The suite is dominated by XLA:CPU compiles of tiny programs: skip LLVM's expensive optimisations (the HLO
+# passes, and so every result's arithmetic, are unchanged; measured 1.5x faster on test_full_budget_is_dense).
+os.environ.setdefault("XLA_FLAGS",
+                      "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
 
 
 def _converted(name: str, tmp_path_factory) -> Path:

@@ -56,7 +56,7 @@ def test_dense_greedy_equals_step_by_step_forward(model, prompts, dense_tokens):
         assert dense_tokens[row].tolist() == seq[len(ids):]
 
 
-@pytest.mark.parametrize("block", [1, 7, 64, 128])
+@pytest.mark.parametrize("block", [1, 7, 64])  # 64 >= T + NEW: the whole prompt in one block
 @pytest.mark.parametrize("name", POLICY_NAMES)
 def test_full_budget_is_dense(model, prompts, dense_tokens, name, block):
     out = vdjax.generate(model, prompts, policy=name, budget=T + NEW, block_size=block, max_new_tokens=NEW,

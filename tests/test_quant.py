@@ -494,8 +494,9 @@ def test_rotate_layout_against_numpy(bits):
     assert put.layout == "rotate"
     np.testing.assert_array_equal(np.asarray(Q.dequantize(put, jnp.float32)), back[..., ::-1, :])
     idx = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[::-1][:5], (b, k, 5))
-    np.testing.assert_array_equal(np.asarray(Q.dequantize(Q.take_slots(put, idx), jnp.float32)),
-                                  back[..., :5, :])
+    # the read-back matmul (y @ H) of a gathered slice may round its last bit differently
+    np.testing.assert_allclose(np.asarray(Q.dequantize(Q.take_slots(put, idx), jnp.float32)),
+                               back[..., :5, :], rtol=1e-5, atol=1e-5)
 
 
 def test_eval_budget_bytes_picks_slots_per_kv_quant():
